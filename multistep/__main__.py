@@ -1,0 +1,5 @@
+import sys
+
+from multistep.cli import main
+
+sys.exit(main())

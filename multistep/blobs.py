@@ -1,0 +1,66 @@
+"""The toy problem: a dense 2->2 softmax classifier on scikit-learn's ``make_blobs``.
+
+Used by ``multistep blobs``, the examples and the benchmarks.
+"""
+
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import make_blobs
+
+from multistep.unroll import unroll
+
+__all__ = ["OPTIMIZERS", "build", "data", "make_optimizer", "predict"]
+
+_V1 = tf.compat.v1.train
+OPTIMIZERS = {
+    "sgd": lambda lr: _V1.GradientDescentOptimizer(lr),
+    "momentum": lambda lr: _V1.MomentumOptimizer(lr, 0.9),
+    "nesterov": lambda lr: _V1.MomentumOptimizer(lr, 0.9, use_nesterov=True),
+    "adam": lambda lr: _V1.AdamOptimizer(lr),
+    "rmsprop": lambda lr: _V1.RMSPropOptimizer(lr),
+    "rmsprop-centered": lambda lr: _V1.RMSPropOptimizer(lr, centered=True),
+    "adagrad": lambda lr: _V1.AdagradOptimizer(lr),
+    "adadelta": lambda lr: _V1.AdadeltaOptimizer(lr),
+    "ftrl": lambda lr: _V1.FtrlOptimizer(lr),
+    "proximal-adagrad": lambda lr: _V1.ProximalAdagradOptimizer(lr),
+    "proximal-sgd": lambda lr: _V1.ProximalGradientDescentOptimizer(lr),
+}
+
+
+def make_optimizer(name, learning_rate):
+    """A stock ``tf.compat.v1.train`` optimizer by its short name (see ``OPTIMIZERS``)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
+    return OPTIMIZERS[name](learning_rate)
+
+
+def data(seed=0, n_samples=50):
+    """``make_blobs(n_samples, centers=2, n_features=2, random_state=seed)`` as float32/int32."""
+    x, y = make_blobs(n_samples=n_samples, centers=2, n_features=2, random_state=seed)
+    return x.astype(np.float32), y.astype(np.int32)
+
+
+def build(steps, *, optimizer="sgd", lr=0.01, seed=0):
+    """``build_fn`` for ``ms.verify``: the blobs classifier with ``steps`` inner steps.
+
+    The dense layer's kernel starts at ones and its bias at zeros; the loss is
+    the mean softmax cross-entropy over all 50 points (full batch).
+    """
+    x, y = data(seed)
+
+    def loss_fn():
+        kernel = tf.compat.v1.get_variable(
+            "dense/kernel", [2, 2], initializer=tf.compat.v1.ones_initializer())
+        bias = tf.compat.v1.get_variable(
+            "dense/bias", [2], initializer=tf.compat.v1.zeros_initializer())
+        logits = tf.matmul(x, kernel) + bias
+        return tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    return unroll(loss_fn, make_optimizer(optimizer, lr), steps, global_step=global_step), {}
+
+
+def predict(values, x):
+    """Class predictions of the trained layer, from the variable values ``ms.verify`` reports."""
+    return np.argmax(x @ values["dense/kernel"] + values["dense/bias"], axis=1)

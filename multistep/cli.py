@@ -1,0 +1,129 @@
+"""The ``multistep`` command line."""
+
+import argparse
+import functools
+import importlib.util
+import os
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")  # v1 deprecation notices are not ours to print
+    return args.func(args)
+
+
+def _parser():
+    from multistep.blobs import OPTIMIZERS
+
+    parser = argparse.ArgumentParser(
+        prog="multistep",
+        description="N real descent steps in one sess.run, checked against N single steps.")
+    sub = parser.add_subparsers(dest="command")
+
+    blobs = sub.add_parser(
+        "blobs", help="fit the make_blobs toy classifier with N-step runs beside 1-step runs")
+    blobs.add_argument("--steps", type=_positive, default=3, help="inner steps per sess.run (default 3)")
+    blobs.add_argument("--runs", type=_positive, default=12, help="N-step runs (default 12)")
+    blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
+    blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
+                       help="where the unrolled graph is written (default tensorboard_logs/blobs)")
+    blobs.set_defaults(func=_blobs)
+
+    verify = sub.add_parser(
+        "verify", help="check FILE.py:FN's N-step runs against single steps (exit 1 if they differ)")
+    verify.add_argument("target", metavar="FILE.py:FN",
+                        help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it")
+    verify.add_argument("--steps", type=_positive, default=3)
+    verify.add_argument("--runs", type=_positive, default=4)
+    verify.add_argument("--atol", type=float, default=0.0, help="allowed max |Δ| (default 0: exact)")
+    verify.set_defaults(func=_verify)
+    return parser
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _blobs(args):
+    import tensorflow as tf
+
+    import multistep as ms
+    from multistep import blobs, summaries
+
+    build = functools.partial(blobs.build, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
+    optimizer = type(blobs.make_optimizer(args.optimizer, args.lr)).__name__
+    n = args.steps
+    print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
+          f"dense 2->2 from ones; {optimizer}(lr={args.lr:g})")
+    print(f"{args.runs} runs of {n} steps (one sess.run each) beside "
+          f"{args.runs * n} runs of 1 step; ► r marks the first step of {n}-step run r\n")
+    report = ms.verify(build, steps=n, runs=args.runs)
+    print(f"{'step':>6}  {'':>6}  {f'{n}-step loss':>12}  {'1-step loss':>12}  {'|Δ|':>8}")
+    for i, (fused, single) in enumerate(zip(report.fused_losses, report.single_losses)):
+        mark = f"► {i // n + 1:>3}" if i % n == 0 else ""
+        print(f"{i + 1:>6}  {mark:>6}  {fused:>12.8f}  {single:>12.8f}  {abs(fused - single):>8.2g}")
+    print()
+    print(report.summary())
+    x, y = blobs.data(args.seed)
+    correct = int((blobs.predict(report.final_values, x) == y).sum())
+    print(f"accuracy after {args.runs * n} steps: {correct / len(y):.3f} ({correct}/{len(y)})")
+    graph = tf.Graph()
+    with graph.as_default():
+        build(n)
+    summaries.write_graph(graph, args.logdir)
+    print(f"unrolled {n}-step graph written to {args.logdir}; view it with: "
+          f"tensorboard --logdir {args.logdir}")
+    return 0 if report.ok else 1
+
+
+def _verify(args):
+    import multistep as ms
+
+    build_fn = _load_target(args.target)
+    if build_fn is None:
+        return 2
+    report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _load_target(target):
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        print(f"multistep verify: expected FILE.py:FN, got {target!r}", file=sys.stderr)
+        return None
+    if not os.path.isfile(path):
+        print(f"multistep verify: no such file: {path}", file=sys.stderr)
+        return None
+    spec = importlib.util.spec_from_file_location("_multistep_target", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        print(f"multistep verify: {path} has no function {name!r} "
+              f"(callables there: {', '.join(found) or 'none'})", file=sys.stderr)
+        return None
+    return fn
+
+
+if __name__ == "__main__":
+    sys.exit(main())

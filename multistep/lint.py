@@ -1,0 +1,141 @@
+"""Graph checks for fused training steps.
+
+The one rule (DESIGN.md): inner step k must compute its loss, gradients and
+hyper-parameters from reads of the trained state made *after* step k-1's apply.
+A read that is not ordered after that apply runs once per ``sess.run``, so
+every inner step would silently reuse the values from before the run.
+
+How a "read" looks in a graph:
+
+* resource variable: an op that takes the variable's handle as input
+  (``ReadVariableOp``, ``ResourceGather``, ...), except metadata ops;
+* ref variable: an op that consumes the variable's ref tensor, or an
+  ``Identity`` of it. ``Identity`` of a ref tensor aliases the variable's buffer,
+  so the real read happens when its consumer runs: the ``w/read`` snapshot made
+  with every ref variable is transparent here, and its consumers are checked.
+"""
+
+import warnings
+
+import tensorflow as tf
+
+__all__ = ["StaleForwardError", "check_step", "warn_stateful_random", "watched_variables"]
+
+# Ops that take a variable as input without reading its value.
+_METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
+# Ops that pass a variable through without reading it (they alias it).
+_ALIAS_OPS = frozenset({"Identity"})
+_STATEFUL_RANDOM_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "RandomCrop",
+})
+
+
+class StaleForwardError(ValueError):
+    """A fused step reads trained state that is not ordered after the previous apply."""
+
+
+def _source_op(tensor):
+    """The op whose storage ``tensor`` aliases (follows ``Identity`` chains)."""
+    while tensor.op.type in _ALIAS_OPS:
+        tensor = tensor.op.inputs[0]
+    return tensor.op
+
+
+def _read_of(op, watched):
+    """The name of a watched variable that ``op`` reads, or None."""
+    if op.type in _ALIAS_OPS or op.type in _METADATA_OPS:
+        return None
+    for tensor in op.inputs:
+        name = watched.get(_source_op(tensor))
+        if name is not None:
+            return name
+    return None
+
+
+def _preds(op):
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _ancestors_postorder(root, stop=None):
+    """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` is not expanded."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        op, expanded = stack.pop()
+        if expanded:
+            order.append(op)
+            continue
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.append((op, True))
+        if op is not stop:
+            stack.extend((pred, False) for pred in _preds(op) if pred not in seen)
+    return order
+
+
+def watched_variables(variables):
+    """Map from the op that owns each variable's storage to the variable's name."""
+    return {v.op: v.op.name for v in variables}
+
+
+def check_step(step, apply_op, previous_apply, watched, *, name):
+    """Raise StaleForwardError if step ``step`` reads watched state out of order.
+
+    Every op that ``apply_op`` depends on (its loss, gradients and
+    hyper-parameters) and that reads a watched variable must have
+    ``previous_apply`` among its ancestors.
+    """
+    after = {}
+    stale = {}  # op -> (variable name, read op) of a stale read in its ancestry
+    for op in _ancestors_postorder(apply_op, stop=previous_apply):
+        preds = _preds(op) if op is not previous_apply else []
+        after[op] = op is previous_apply or any(after[p] for p in preds)
+        if after[op]:
+            for pred in preds:
+                if not after[pred] and pred in stale:
+                    raise StaleForwardError(_stale_message(step, pred, *stale[pred], name=name))
+            continue
+        var = _read_of(op, watched)
+        if var is not None:
+            stale[op] = (var, op)
+        else:
+            found = next((stale[p] for p in preds if p in stale), None)
+            if found is not None:
+                stale[op] = found
+
+
+def _stale_message(step, used, var, read_op, *, name):
+    where = f"'{used.name}' ({used.type})"
+    if read_op is not used:
+        where += f", computed from a read of '{var}' by '{read_op.name}' ({read_op.type})"
+    else:
+        where += f", a read of '{var}'"
+    return (
+        f"{name}: inner step {step} uses {where}, which is not ordered after step "
+        f"{step - 1}'s apply. It was built outside the step (outside loss_fn, or from "
+        f"a tensor made once), so TensorFlow evaluates it once per sess.run and every "
+        f"inner step would reuse the value of '{var}' from before the run: a silently "
+        f"wrong result. Fix: build everything that reads a trained variable inside "
+        f"loss_fn (call the layer there, e.g. loss_fn=lambda: xent(dense(x), y)); "
+        f"for a learning rate or other hyper-parameter that depends on the global "
+        f"step, pass a callable, e.g. learning_rate=lambda: "
+        f"tf.compat.v1.train.exponential_decay(0.1, global_step, 10, 0.5)."
+    )
+
+
+def warn_stateful_random(step_root, *, name):
+    """Warn when ``step_root`` depends on stateful random ops (e.g. dropout)."""
+    ops = sorted({op.name for op in _ancestors_postorder(step_root)
+                  if op.type in _STATEFUL_RANDOM_OPS})
+    if ops:
+        warnings.warn(
+            f"{name}: loss_fn uses stateful random ops ({', '.join(ops[:3])}"
+            f"{', ...' if len(ops) > 3 else ''}); their draws depend on how many "
+            f"sess.run calls were made, so fused and single-step results will "
+            f"differ and ms.verify will fail. Use stateless ops keyed on the global "
+            f"step instead, e.g. tf.random.stateless_uniform(shape, "
+            f"seed=tf.stack([seed, global_step])).",
+            RuntimeWarning, stacklevel=3)
+

@@ -1,0 +1,219 @@
+"""Fused vs single steps: the equivalence check that ships with the library.
+
+``verify(build_fn, steps)`` builds the model twice in fresh graphs, once with
+``steps`` inner steps and once with 1, gives both the same initial values
+(copied by variable name), then after each fused run compares every global
+variable (weights, optimizer slots, global step) and every inner step's loss
+with those of ``steps`` single-step runs.
+"""
+
+import dataclasses
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+from multistep.unroll import positive_int as _positive_int
+
+__all__ = ["Report", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The result of ``verify``.
+
+    Attributes:
+      steps, runs, atol: what was compared: ``runs`` fused runs of ``steps``
+        inner steps against ``steps * runs`` single steps.
+      per_variable: name -> max |fused - single| over all runs; the key
+        ``"losses"`` holds the per-step losses.
+      first_divergence: ``(run, name)`` of the first comparison over ``atol``
+        (run counts from 1), or None.
+      bitwise: every compared array was bit-for-bit identical.
+      fused_losses, single_losses: float32 ``[steps * runs]``, each inner step's loss.
+      final_values: name -> value of every variable in the fused graph at the end.
+    """
+
+    steps: int
+    runs: int
+    atol: float
+    per_variable: dict
+    first_divergence: tuple
+    bitwise: bool
+    fused_losses: np.ndarray
+    single_losses: np.ndarray
+    final_values: dict
+
+    @property
+    def ok(self):
+        return self.first_divergence is None
+
+    @property
+    def max_abs_diff(self):
+        return max(self.per_variable.values())
+
+    def summary(self):
+        """One line: the verdict and the max |Δ|."""
+        verdict = "OK" if self.ok else "DIVERGED"
+        exact = " (bitwise equal)" if self.bitwise else ""
+        line = (f"verify: {self.steps}-step runs vs single steps, {self.runs} runs, "
+                f"{len(self.per_variable) - 1} variables and the losses compared after "
+                f"each run: max |Δ| = {self.max_abs_diff:.3g}{exact}, atol = {self.atol:g}: {verdict}")
+        if not self.ok:
+            run, name = self.first_divergence
+            first = (run - 1) * self.steps + 1
+            line += (f"; first divergence in run {run} (global steps {first}-"
+                     f"{first + self.steps - 1}) at {name!r}")
+        return line
+
+    def __str__(self):
+        width = max(len(n) for n in self.per_variable)
+        rows = [f"  {name:<{width}}  {diff:.3g}" for name, diff in self.per_variable.items()]
+        return "\n".join([self.summary(), f"  {'name':<{width}}  max |Δ|"] + rows)
+
+
+def verify(build_fn, steps, *, runs=4, atol=0.0):
+    """Checks that ``steps``-step runs equal single steps, from identical initial values.
+
+    Args:
+      build_fn: ``build_fn(steps) -> (unrolled, feed)``. Builds the model in the
+        current default graph; ``unrolled`` has ``train_op`` and ``losses``
+        (as ``ms.unroll`` returns); ``feed`` is a feed dict, or a callable
+        ``feed(run) -> dict`` for run 0, 1, ... of that graph, where fused run
+        ``r`` covers global steps ``r*steps ... r*steps + steps - 1``.
+      steps: inner steps per fused run (>= 1).
+      runs: fused runs to compare (>= 1).
+      atol: allowed max |Δ|; 0.0 asks for exact equality.
+
+    Returns:
+      A ``Report``; ``report.ok`` is True when nothing differed by more than ``atol``.
+
+    Example:
+      >>> import tensorflow as tf, multistep as ms
+      >>> def build(steps):
+      ...     w = tf.compat.v1.get_variable("w", initializer=2.0)
+      ...     opt = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+      ...     return ms.unroll(lambda: w * w, opt, steps), {}
+      >>> ms.verify(build, steps=3, runs=2).ok
+      True
+    """
+    steps = _positive_int("steps", steps)
+    runs = _positive_int("runs", runs)
+    if not isinstance(atol, numbers.Real) or not atol >= 0:
+        raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
+    fused = _Program(build_fn, steps)
+    single = _Program(build_fn, 1)
+    try:
+        names = _matching_names(fused, single)
+        fused.load(single.values())
+        per_variable = dict.fromkeys(names + ["losses"], 0.0)
+        first, bitwise = None, True
+        fused_losses, single_losses = [], []
+        for run in range(runs):
+            got = fused.run(run)
+            want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
+            fused_losses.append(got)
+            single_losses.append(want)
+            fused_values, single_values = fused.values(), single.values()
+            pairs = [(n, fused_values[n], single_values[n]) for n in names]
+            pairs.append(("losses", got, want))
+            for name, a, b in pairs:
+                diff = _max_abs_diff(a, b)
+                bitwise = bitwise and _same_bits(a, b)
+                per_variable[name] = max(per_variable[name], diff)
+                if first is None and not diff <= atol:
+                    first = (run + 1, name)
+        return Report(steps=steps, runs=runs, atol=float(atol), per_variable=per_variable,
+                      first_divergence=first, bitwise=bitwise,
+                      fused_losses=np.concatenate(fused_losses),
+                      single_losses=np.concatenate(single_losses),
+                      final_values=fused_values)
+    finally:
+        fused.close()
+        single.close()
+
+
+class _Program:
+    """One build of the model in its own graph and session."""
+
+    def __init__(self, build_fn, steps):
+        self.steps = steps
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            built = build_fn(steps)
+            if not (isinstance(built, tuple) and len(built) == 2):
+                raise TypeError(
+                    f"build_fn({steps}) must return (unrolled, feed_dict), got "
+                    f"{type(built).__name__}.")
+            unrolled, self.feed = built
+            if not (hasattr(unrolled, "train_op") and hasattr(unrolled, "losses")):
+                raise TypeError(f"build_fn({steps}) returned {type(unrolled).__name__} "
+                                "as unrolled; it needs .train_op and .losses (see ms.unroll).")
+            if not (self.feed is None or isinstance(self.feed, dict) or callable(self.feed)):
+                raise TypeError(f"build_fn({steps}) returned a feed of type "
+                                f"{type(self.feed).__name__}; expected a dict or a callable run -> dict.")
+            n = unrolled.losses.shape[0] if unrolled.losses.shape.rank == 1 else None
+            if n is not None and n != steps:
+                raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
+            self.fetch = (unrolled.train_op, unrolled.losses)
+            self.variables = {_name(v): v for v in tf.compat.v1.global_variables()}
+            self._placeholders, assigns = {}, []
+            for name, v in self.variables.items():
+                ph = tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
+                self._placeholders[name] = ph
+                assigns.append(v.assign(ph))
+            self._load = tf.group(*assigns)
+            init = [tf.compat.v1.global_variables_initializer(),
+                    tf.compat.v1.local_variables_initializer()]
+            self.graph.finalize()
+        self.session = tf.compat.v1.Session(graph=self.graph)
+        self.session.run(init)
+
+    def run(self, index):
+        feed = self.feed(index) if callable(self.feed) else self.feed
+        return np.asarray(self.session.run(self.fetch, feed)[1], np.float32).reshape(-1)
+
+    def values(self):
+        return self.session.run(self.variables)
+
+    def load(self, values):
+        self.session.run(self._load, {self._placeholders[n]: values[n] for n in self._placeholders})
+
+    def close(self):
+        self.session.close()
+
+
+def _name(variable):
+    return variable.name[:-2] if variable.name.endswith(":0") else variable.name
+
+
+def _matching_names(fused, single):
+    a, b = set(fused.variables), set(single.variables)
+    if a != b:
+        raise ValueError(
+            f"the {fused.steps}-step and 1-step graphs have different variables "
+            f"(only in {fused.steps}-step: {sorted(a - b)}; only in 1-step: "
+            f"{sorted(b - a)}), so they cannot be matched by name. Give layers "
+            f"explicit names (Keras numbers unnamed layers per process: dense, dense_1, ...).")
+    for n in a:
+        if fused.variables[n].shape != single.variables[n].shape:
+            raise ValueError(f"variable {n!r} has shape {fused.variables[n].shape} in the "
+                             f"{fused.steps}-step graph and {single.variables[n].shape} in the 1-step graph.")
+    return sorted(a)
+
+
+def _max_abs_diff(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+    diff = np.where(same, 0.0, np.abs(a64 - b64))
+    return float(np.nan_to_num(diff, nan=np.inf).max())
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -1,0 +1,93 @@
+"""The command line, run as a user runs it: in a subprocess."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def multistep(*args, cwd=ROOT):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "multistep", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_blobs_prints_the_side_by_side_table_and_verifies(tmp_path):
+    logdir = tmp_path / "logs"
+    result = multistep("blobs", "--steps", "2", "--runs", "3", "--logdir", str(logdir))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    rows = re.findall(r"^\s+(\d+)\s+(?:►\s+(\d+))?\s+(\d\.\d{8})\s+(\d\.\d{8})\s+(\S+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r[1] for r in rows] == ["1", "", "2", "", "3", ""]  # where each 2-step run began
+    assert all(r[2] == r[3] for r in rows)
+    assert float(rows[0][2]) == pytest.approx(0.69314718)  # ln 2: both logits equal at ones
+    assert float(rows[-1][2]) < float(rows[0][2])
+    assert "max |Δ| = 0 (bitwise equal)" in out and ": OK" in out
+    assert re.search(r"accuracy after 6 steps: \d\.\d{3} \(\d+/50\)", out)
+    assert os.listdir(logdir) and f"tensorboard --logdir {logdir}" in out
+
+
+def test_blobs_with_another_optimizer(tmp_path):
+    result = multistep("blobs", "--steps", "4", "--runs", "2", "--optimizer", "adam", "--lr", "0.1",
+                       "--seed", "3", "--logdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "AdamOptimizer(lr=0.1)" in result.stdout and "random_state=3" in result.stdout
+    assert "(bitwise equal)" in result.stdout
+
+
+def test_blobs_rejects_bad_steps():
+    result = multistep("blobs", "--steps", "0")
+    assert result.returncode == 2 and "expected an integer >= 1" in result.stderr
+
+
+def test_verify_an_example_file():
+    result = multistep("verify", "examples/verify_my_model.py:build", "--steps", "3", "--runs", "2")
+    assert result.returncode == 0, result.stderr
+    assert ": OK" in result.stdout and "hidden/w/Adam" in result.stdout
+
+
+def test_verify_exits_1_on_divergence(tmp_path):
+    model = tmp_path / "naive.py"
+    model.write_text(textwrap.dedent("""
+        import types
+        import tensorflow as tf
+
+        def build(steps):
+            w = tf.compat.v1.get_variable("w", initializer=[1.0, -2.0])
+            loss = tf.reduce_sum(tf.square(w))  # built once: stale from the second step on
+            opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+            op = None
+            for _ in range(steps):
+                with tf.control_dependencies([op] if op is not None else []):
+                    op = opt.minimize(loss)
+            return types.SimpleNamespace(train_op=op, losses=tf.stack([loss] * steps)), {}
+    """))
+    result = multistep("verify", f"{model}:build", "--steps", "3", "--runs", "2")
+    assert result.returncode == 1, result.stderr
+    assert "DIVERGED" in result.stdout and "first divergence in run 1" in result.stdout
+
+
+@pytest.mark.parametrize("target,message", [
+    ("missing.py:build", "no such file: missing.py"),
+    ("examples/verify_my_model.py:nope", "has no function 'nope'"),
+    ("examples/verify_my_model.py", "expected FILE.py:FN"),
+])
+def test_verify_bad_target(target, message):
+    result = multistep("verify", target)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_console_script_is_installed():
+    # The README installs the package; its console script must be on PATH next to python.
+    script = shutil.which("multistep", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    assert script, "the `multistep` console script is not installed: pip install -e '.[test]'"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "blobs" in result.stdout and "verify" in result.stdout

@@ -1,0 +1,28 @@
+"""Every script in examples/ runs to completion (they are small by design)."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+EXPECTED = {  # a line each example must print: evidence it did its job
+    "blobs_three_steps.py": "refused: ",
+    "verify_my_model.py": "(bitwise equal)",
+}
+
+
+def test_every_example_is_listed():
+    assert sorted(os.path.basename(p) for p in EXAMPLES) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
+def test_example_runs(path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, path], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert EXPECTED[os.path.basename(path)] in result.stdout

@@ -1,0 +1,93 @@
+"""The stale-forward check: the reused-logits trap and its relatives are refused at build time."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+X = np.random.RandomState(0).randn(6, 3).astype(np.float32)
+Y = np.array([0, 1, 1, 0, 1, 0], np.int32)
+
+
+def xent(logits):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=Y, logits=logits))
+
+
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_reused_logits_raise_naming_the_matmul(use_resource):
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", [3, 2], use_resource=use_resource)
+        logits = tf.matmul(X, w, name="reused_matmul")  # built once, outside the steps
+        with pytest.raises(ms.StaleForwardError) as info:
+            ms.unroll(lambda: xent(logits), V1.train.GradientDescentOptimizer(0.1), 3)
+    message = str(info.value)
+    assert "inner step 2 uses 'reused_matmul' (MatMul)" in message
+    assert "'w'" in message and "inside loss_fn" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_keras_layer_called_outside_loss_fn_raises():
+    with tf.Graph().as_default():
+        logits = keras.layers.Dense(2, name="dense")(X)
+        with pytest.raises(ms.StaleForwardError, match="dense/kernel"):
+            ms.unroll(lambda: xent(logits), V1.train.AdamOptimizer(0.1), 2)
+
+
+def test_partly_stale_loss_raises():
+    # Only the second layer is stale: the first is rebuilt per step.
+    with tf.Graph().as_default():
+        w1 = V1.get_variable("w1", [3, 3])
+        w2 = V1.get_variable("w2", [3, 2])
+        stale_bias = tf.reduce_sum(w2, axis=0, name="stale_bias")
+        with pytest.raises(ms.StaleForwardError, match="'stale_bias'.*'w2'"):
+            ms.unroll(lambda: xent(tf.matmul(tf.matmul(X, w1), w2) + stale_bias),
+                      V1.train.GradientDescentOptimizer(0.1), 2)
+
+
+def test_stale_learning_rate_tensor_raises():
+    with tf.Graph().as_default():
+        gs = V1.train.get_or_create_global_step()
+        w = V1.get_variable("w", [3, 2])
+        lr = V1.train.exponential_decay(0.1, gs, 10, 0.5)  # a tensor: evaluated once per run
+        with pytest.raises(ms.StaleForwardError, match="global_step.*pass a callable"):
+            ms.unroll(lambda: xent(tf.matmul(X, w)), V1.train.GradientDescentOptimizer(lr), 3,
+                      global_step=gs)
+
+
+def test_learning_rate_from_an_untrained_variable_is_fine():
+    # A variable the fused op never writes cannot go stale inside a run.
+    with tf.Graph().as_default():
+        lr = tf.Variable(0.1, trainable=False, name="lr")
+        w = V1.get_variable("w", [3, 2])
+        ms.unroll(lambda: xent(tf.matmul(X, w)), V1.train.GradientDescentOptimizer(lr), 3)
+
+
+def test_single_step_is_never_stale():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", [3, 2])
+        logits = tf.matmul(X, w)
+        ms.unroll(lambda: xent(logits), V1.train.GradientDescentOptimizer(0.1), 1)
+
+
+def test_stateful_random_ops_warn():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", [3, 2])
+        with pytest.warns(RuntimeWarning, match="stateful random ops.*stateless"):
+            ms.unroll(lambda: xent(tf.nn.dropout(tf.matmul(X, w), rate=0.5)),
+                      V1.train.GradientDescentOptimizer(0.1), 2)
+
+
+def test_random_initializers_do_not_warn():
+    with tf.Graph().as_default():
+        def loss_fn():
+            w = V1.get_variable("w", [3, 2], initializer=V1.random_normal_initializer())
+            return xent(tf.matmul(X, w))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 2)

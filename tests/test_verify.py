@@ -1,0 +1,111 @@
+"""ms.verify: it passes on a correct model and names the run and variable of a wrong one."""
+
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+X = np.random.RandomState(1).randn(6, 3).astype(np.float32)
+Y = np.array([0, 1, 1, 0, 1, 0], np.int32)
+
+
+def loss_of(w):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=Y, logits=tf.matmul(X, w)))
+
+
+def weights():
+    return V1.get_variable("w", [3, 2], initializer=V1.random_normal_initializer(seed=3))
+
+
+def good_build(steps):
+    return ms.unroll(lambda: loss_of(weights()), V1.train.MomentumOptimizer(0.5, 0.9), steps,
+                     global_step=V1.train.get_or_create_global_step()), {}
+
+
+def naive_build(steps):
+    """The recipe the library exists to replace: logits built once, N chained applies."""
+    loss = loss_of(weights())
+    optimizer = V1.train.GradientDescentOptimizer(0.5)
+    train_op = None
+    for _ in range(steps):
+        with tf.control_dependencies([train_op] if train_op is not None else []):
+            train_op = optimizer.minimize(loss)
+    return types.SimpleNamespace(train_op=train_op, losses=tf.stack([loss] * steps)), {}
+
+
+def test_correct_model_verifies_bitwise():
+    report = ms.verify(good_build, steps=3, runs=4)
+    assert report.ok and report.bitwise
+    assert report.max_abs_diff == 0.0
+    assert report.first_divergence is None
+    assert set(report.per_variable) == {"w", "w/Momentum", "global_step", "losses"}
+    assert report.fused_losses.shape == (12,)
+    assert report.final_values["global_step"] == 12
+    assert "OK" in str(report) and "w/Momentum" in str(report)
+
+
+def test_random_initial_values_are_copied_across():
+    # good_build draws w randomly; a seedless initializer would differ between graphs.
+    def build(steps):
+        w = V1.get_variable("w", [3, 2], initializer=V1.random_normal_initializer())
+        return ms.unroll(lambda: loss_of(w), V1.train.AdamOptimizer(0.1), steps), {}
+
+    assert ms.verify(build, steps=2, runs=2).ok
+
+
+def test_naive_recipe_is_caught_with_run_and_variable():
+    report = ms.verify(naive_build, steps=3, runs=2)
+    assert not report.ok
+    assert report.first_divergence == (1, "w")
+    assert report.per_variable["w"] > 1e-3
+    assert report.per_variable["losses"] > 1e-3
+    text = str(report)
+    assert "DIVERGED" in text and "first divergence in run 1 (global steps 1-3) at 'w'" in text
+
+
+def test_atol_allows_a_stated_tolerance():
+    report = ms.verify(naive_build, steps=2, runs=1, atol=10.0)
+    assert report.ok and not report.bitwise and report.max_abs_diff > 0
+
+
+def test_per_run_feeds():
+    data = np.random.RandomState(2).randn(12, 6, 3).astype(np.float32)
+
+    def build(steps):
+        xs = V1.placeholder(tf.float32, [steps, 6, 3])
+        unrolled = ms.unroll(lambda x: tf.reduce_mean(tf.matmul(x, weights()) ** 2),
+                             V1.train.AdagradOptimizer(0.1), steps, inputs=(xs,))
+        return unrolled, lambda run: {xs: data[run * steps:(run + 1) * steps]}
+
+    report = ms.verify(build, steps=4, runs=3)
+    assert report.ok and report.bitwise
+    # The batches really differ per step: a constant feed would give equal first losses.
+    assert len(set(report.fused_losses.tolist())) == 12
+
+
+def test_unnamed_keras_layers_get_a_clear_error():
+    def build(steps):
+        layer = keras.layers.Dense(2)  # numbered per process: dense_7, dense_8, ...
+        return ms.unroll(lambda: tf.reduce_sum(layer(X)), V1.train.GradientDescentOptimizer(0.1), steps), {}
+
+    with pytest.raises(ValueError, match="different variables.*explicit names"):
+        ms.verify(build, steps=2)
+
+
+@pytest.mark.parametrize("returned", [None, "x", (1, 2, 3)])
+def test_build_fn_must_return_unrolled_and_feed(returned):
+    with pytest.raises(TypeError, match=r"build_fn\(.\) must return \(unrolled, feed_dict\)|needs .train_op"):
+        ms.verify(lambda steps: returned, steps=2)
+
+
+@pytest.mark.parametrize("kwargs,error", [({"steps": 0}, ValueError), ({"steps": "2"}, TypeError),
+                                          ({"steps": 2, "runs": 0}, ValueError),
+                                          ({"steps": 2, "atol": -1.0}, ValueError)])
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error, match="steps|runs|atol"):
+        ms.verify(good_build, **kwargs)
