@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from sklearn.datasets import make_blobs
 
+from multistep import rules
 from multistep.unroll import unroll
 
 __all__ = ["OPTIMIZERS", "build", "data", "make_optimizer", "predict"]
@@ -40,11 +41,12 @@ def data(seed=0, n_samples=50):
     return x.astype(np.float32), y.astype(np.int32)
 
 
-def build(steps, *, optimizer="sgd", lr=0.01, seed=0):
+def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulus=None):
     """``build_fn`` for ``ms.verify``: the blobs classifier with ``steps`` inner steps.
 
     The dense layer's kernel starts at ones and its bias at zeros; the loss is
     the mean softmax cross-entropy over all 50 points (full batch).
+    ``optimizer="compact-sgd"`` trains with ``ms.rules.compact_sgd(modulus)``.
     """
     x, y = data(seed)
 
@@ -58,7 +60,12 @@ def build(steps, *, optimizer="sgd", lr=0.01, seed=0):
             tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
     global_step = tf.compat.v1.train.get_or_create_global_step()
-    return unroll(loss_fn, make_optimizer(optimizer, lr), steps, global_step=global_step), {}
+    if optimizer == "compact-sgd":
+        opt = rules.RuleOptimizer(rules.compact_sgd(modulus), learning_rate=lr)
+    else:
+        opt = make_optimizer(optimizer, lr)
+    return unroll(loss_fn, opt, steps, global_step=global_step,
+                  grad_transforms=grad_transforms), {}
 
 
 def predict(values, x):

@@ -37,6 +37,18 @@ def _parser():
     blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
+    blobs.add_argument("--clip-value", type=_positive_float, metavar="C",
+                       help="clip every gradient entry to [-C, C]")
+    blobs.add_argument("--clip-norm", type=_positive_float, metavar="C",
+                       help="clip each variable's gradient to L2 norm C")
+    blobs.add_argument("--clip-global-norm", type=_positive_float, metavar="C",
+                       help="clip all gradients to joint L2 norm C")
+    blobs.add_argument("--noise-stddev", type=_positive_float, metavar="S",
+                       help="add N(0, S^2) gradient noise, keyed on --seed and the global step")
+    blobs.add_argument("--rule", choices=["compact-sgd"],
+                       help="train with an update rule instead of --optimizer")
+    blobs.add_argument("--modulus", type=_positive_float, metavar="B",
+                       help="with --rule compact-sgd: weights live in [0, B)")
     blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
                        help="where the unrolled graph is written (default tensorboard_logs/blobs)")
     blobs.set_defaults(func=_blobs)
@@ -62,17 +74,51 @@ def _positive(text):
     return value
 
 
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def _blob_transforms(args):
+    import multistep as ms
+
+    chosen = []
+    if args.clip_value is not None:
+        chosen.append(ms.clip_by_value(-args.clip_value, args.clip_value))
+    if args.clip_norm is not None:
+        chosen.append(ms.clip_by_norm(args.clip_norm))
+    if args.clip_global_norm is not None:
+        chosen.append(ms.clip_by_global_norm(args.clip_global_norm))
+    if args.noise_stddev is not None:
+        chosen.append(ms.add_noise(args.noise_stddev, seed=args.seed))
+    return chosen
+
+
 def _blobs(args):
     import tensorflow as tf
 
     import multistep as ms
     from multistep import blobs, summaries
 
-    build = functools.partial(blobs.build, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
-    optimizer = type(blobs.make_optimizer(args.optimizer, args.lr)).__name__
+    if (args.rule is None) != (args.modulus is None):
+        print("multistep blobs: --rule compact-sgd and --modulus B go together", file=sys.stderr)
+        return 2
+    transforms = _blob_transforms(args)
+    if args.rule:
+        optimizer = f"RuleOptimizer({ms.rules.compact_sgd(args.modulus).__name__}, lr={args.lr:g})"
+    else:
+        optimizer = f"{type(blobs.make_optimizer(args.optimizer, args.lr)).__name__}(lr={args.lr:g})"
+    build = functools.partial(blobs.build, optimizer=args.rule or args.optimizer, lr=args.lr,
+                              seed=args.seed, grad_transforms=transforms, modulus=args.modulus)
     n = args.steps
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
-          f"dense 2->2 from ones; {optimizer}(lr={args.lr:g})")
+          f"dense 2->2 from ones; {optimizer}"
+          + "".join(f"; {t.__name__}" for t in transforms))
     print(f"{args.runs} runs of {n} steps (one sess.run each) beside "
           f"{args.runs * n} runs of 1 step; ► r marks the first step of {n}-step run r\n")
     report = ms.verify(build, steps=n, runs=args.runs)

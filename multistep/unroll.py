@@ -18,7 +18,7 @@ import numbers
 
 import tensorflow as tf
 
-from multistep import lint
+from multistep import lint, transforms
 
 __all__ = ["Unrolled", "unroll"]
 
@@ -45,7 +45,7 @@ class Unrolled:
 
 
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
-           global_step=None, name="multistep"):
+           grad_transforms=(), global_step=None, name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -61,8 +61,13 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
       inputs: optional tensor, or tuple/list of tensors or nests, each with
         leading dimension N; step k calls ``loss_fn(*slice_k)`` (a lone tensor
         or dict is passed as one argument).
+      grad_transforms: gradient transforms ``(grads_and_vars, step) -> grads_and_vars``
+        (``ms.clip_by_norm(1.0)``, ...) applied in order between compute and apply
+        at every inner step, after ``ms.dedupe_sparse``; ``step`` is the global
+        step before the update (None without ``global_step``).
       global_step: optional integer variable, advanced once per inner step.
-      name: name scope; steps appear as ``name/step_k/{forward,gradients,apply}``.
+      name: name scope; steps appear as
+        ``name/step_k/{forward,gradients,transform,apply}``.
 
     Returns:
       An ``Unrolled`` with ``train_op`` and ``losses``.
@@ -87,6 +92,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
     _check_optimizer(optimizer)
     var_list = _check_var_list(var_list)
     _check_global_step(global_step)
+    transform = _check_transforms(grad_transforms)
     graph = tf.compat.v1.get_default_graph()
     guard = _CreationGuard(graph)
 
@@ -106,6 +112,10 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
                         grads_and_vars = _trained_pairs(grads_and_vars)
                         var_list = tuple(v for _, v in grads_and_vars)
                     _check_gradients(grads_and_vars, k)
+                if transform is not None:
+                    with guard.scope("transform"):
+                        step = None if global_step is None else global_step.read_value()
+                        grads_and_vars = transforms.apply_transform(transform, grads_and_vars, step)
                 with guard.scope("apply"), tf.control_dependencies([loss]):
                     next_apply = optimizer.apply_gradients(
                         grads_and_vars, global_step=global_step)
@@ -213,6 +223,21 @@ def _check_optimizer(optimizer):
             f"tf.compat.v1.train.AdamOptimizer(1e-3)), got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}. Keras "
             f"optimizers are not supported: they manage their own step counter.")
+
+
+def _check_transforms(grad_transforms):
+    """One transform for the whole list, with sparse rows summed first; None if empty."""
+    if callable(grad_transforms):
+        raise TypeError("grad_transforms must be a list of transforms; wrap the one you "
+                        "have in a list, or combine several with ms.chain.")
+    grad_transforms = tuple(grad_transforms)
+    for i, t in enumerate(grad_transforms):
+        if not callable(t):
+            raise TypeError(f"grad_transforms[{i}] must be callable "
+                            f"(grads_and_vars, step) -> grads_and_vars, got {t!r}.")
+    if not grad_transforms:
+        return None
+    return transforms.chain(transforms.dedupe_sparse, *grad_transforms)
 
 
 def _as_tf_variable(value):
