@@ -103,7 +103,7 @@ def clip_by_norm(max_norm):
     Example:
       >>> import tensorflow as tf, multistep as ms
       >>> [(g, _)] = ms.clip_by_norm(1.0)([(tf.constant([3.0, 4.0]), None)], None)
-      >>> g.numpy().round(6).tolist()
+      >>> g.numpy().astype(float).round(6).tolist()
       [0.6, 0.8]
     """
     max_norm = _positive("max_norm", max_norm, "clip_by_norm")
@@ -122,7 +122,7 @@ def clip_by_global_norm(max_norm):
     Example:
       >>> import tensorflow as tf, multistep as ms
       >>> gvs = [(tf.constant([3.0]), None), (tf.constant([4.0]), None)]
-      >>> [g.numpy().round(6).tolist() for g, _ in ms.clip_by_global_norm(1.0)(gvs, None)]
+      >>> [g.numpy().astype(float).round(6).tolist() for g, _ in ms.clip_by_global_norm(1.0)(gvs, None)]
       [[0.6], [0.8]]
     """
     max_norm = _positive("max_norm", max_norm, "clip_by_global_norm")

@@ -42,6 +42,25 @@ def test_blobs_with_another_optimizer(tmp_path):
     assert "(bitwise equal)" in result.stdout
 
 
+@pytest.mark.parametrize("options,shown", [
+    (["--clip-global-norm", "1", "--noise-stddev", "0.01"],
+     "clip_by_global_norm(1); add_noise(0.01, mean=0, decay=0, seed=0)"),
+    (["--clip-value", "0.05", "--clip-norm", "0.1", "--optimizer", "momentum"],
+     "clip_by_value(-0.05, 0.05); clip_by_norm(0.1)"),
+    (["--rule", "compact-sgd", "--modulus", "4", "--lr", "0.1"], "RuleOptimizer(compact_sgd(4), lr=0.1)"),
+])
+def test_blobs_with_transforms_and_rules_still_verifies(tmp_path, options, shown):
+    result = multistep("blobs", "--steps", "3", "--runs", "2", "--logdir", str(tmp_path), *options)
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout
+    assert "max |Δ| = 0 (bitwise equal)" in result.stdout and ": OK" in result.stdout
+
+
+def test_blobs_rule_needs_modulus():
+    result = multistep("blobs", "--rule", "compact-sgd")
+    assert result.returncode == 2 and "--modulus B go together" in result.stderr
+
+
 def test_blobs_rejects_bad_steps():
     result = multistep("blobs", "--steps", "0")
     assert result.returncode == 2 and "expected an integer >= 1" in result.stderr

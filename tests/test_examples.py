@@ -12,6 +12,9 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 EXPECTED = {  # a line each example must print: evidence it did its job
     "blobs_three_steps.py": "refused: ",
     "verify_my_model.py": "(bitwise equal)",
+    "clipped_adam.py": "Adam accumulated the clipped gradients",
+    "compact_domain_sgd.py": "(bitwise equal)",
+    "sparse_embedding_clipping.py": "ms.clip_by_value(-4, 4), sparse: rows after one step [4. 0. 1.]",
 }
 
 
