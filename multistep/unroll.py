@@ -13,6 +13,7 @@ build time: a step that reads trained state outside its dependencies raises
 ``StaleForwardError``.
 """
 
+import contextlib
 import dataclasses
 import numbers
 
@@ -91,7 +92,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
     _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
     var_list = _check_var_list(var_list)
-    _check_global_step(global_step)
+    global_step = _check_global_step(global_step)
     transform = _check_transforms(grad_transforms)
     graph = tf.compat.v1.get_default_graph()
     guard = _CreationGuard(graph)
@@ -150,20 +151,15 @@ class _CreationGuard:
         self.step = 1
         self._prefix = None
 
+    @contextlib.contextmanager
     def scope(self, sub):
-        guard = self
-
-        class _Scope:
-            def __enter__(self):
-                self._cm = tf.name_scope(sub)
-                guard._prefix = self._cm.__enter__()
-                return guard._prefix
-
-            def __exit__(self, *exc):
-                guard._prefix = None
-                return self._cm.__exit__(*exc)
-
-        return _Scope()
+        """Name scope ``sub`` of the current step, stripped from the names of variables made in it."""
+        with tf.name_scope(sub) as prefix:
+            self._prefix = prefix
+            try:
+                yield prefix
+            finally:
+                self._prefix = None
 
     def __call__(self, next_creator, **kwargs):
         if self.step > 1:
@@ -182,18 +178,11 @@ class _CreationGuard:
 
 
 def _reuse_variables(reuse):
+    """From step 2 on, ``get_variable`` returns the variables step 1 made."""
     if not reuse:
-        return _NullContext()
+        return contextlib.nullcontext()
     return tf.compat.v1.variable_scope(
         tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
-
-
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def positive_int(what, value):
@@ -269,12 +258,13 @@ def _check_var_list(var_list):
 
 def _check_global_step(global_step):
     if global_step is None:
-        return
+        return None
     var = _as_tf_variable(global_step)
     if var is None or not var.dtype.base_dtype.is_integer:
         raise TypeError(
             f"global_step must be an integer variable (e.g. "
             f"tf.compat.v1.train.get_or_create_global_step()), got {global_step!r}.")
+    return var
 
 
 def _per_step_inputs(inputs, steps):

@@ -63,7 +63,7 @@ def test_blobs_rule_needs_modulus():
 
 def test_blobs_rejects_bad_steps():
     result = multistep("blobs", "--steps", "0")
-    assert result.returncode == 2 and "expected an integer >= 1" in result.stderr
+    assert result.returncode == 2 and "expected an integer > 0, got '0'" in result.stderr
 
 
 def test_verify_an_example_file():
