@@ -19,7 +19,8 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["StaleForwardError", "check_step", "warn_stateful_random", "watched_variables"]
+__all__ = ["StaleForwardError", "check_captures", "check_step", "warn_stateful_random",
+           "watched_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
@@ -106,15 +107,40 @@ def check_step(step, apply_op, previous_apply, watched, *, name):
                 stale[op] = found
 
 
-def _stale_message(step, used, var, read_op, *, name):
+def check_captures(func_graph, watched, *, name):
+    """Raise StaleForwardError if ``func_graph`` (a loop body or compiled program)
+    captures an outside tensor computed from a read of watched state.
+
+    Such a tensor is evaluated once, before the loop or program starts, so
+    every step inside would reuse it. Captured variable handles are fine: the
+    reads they feed happen inside.
+    """
+    stale = {}  # op -> (variable name, read op) in its ancestry, or None
+    for tensor in func_graph.external_captures:
+        if _source_op(tensor) in watched:
+            continue  # a variable handle (or its ref): read inside the body
+        for op in _ancestors_postorder(tensor.op):
+            if op in stale:
+                continue
+            var = _read_of(op, watched)
+            stale[op] = (var, op) if var is not None else next(
+                (stale[p] for p in _preds(op) if stale.get(p)), None)
+        if stale[tensor.op]:
+            raise StaleForwardError(_stale_message("2..N", tensor.op, *stale[tensor.op],
+                                                   name=name, loop=True))
+
+
+def _stale_message(step, used, var, read_op, *, name, loop=False):
     where = f"'{used.name}' ({used.type})"
     if read_op is not used:
         where += f", computed from a read of '{var}' by '{read_op.name}' ({read_op.type})"
     else:
         where += f", a read of '{var}'"
+    order = ("is computed once, before the loop" if loop
+             else f"is not ordered after step {step - 1}'s apply")
     return (
-        f"{name}: inner step {step} uses {where}, which is not ordered after step "
-        f"{step - 1}'s apply. It was built outside the step (outside loss_fn, or from "
+        f"{name}: inner step {step} uses {where}, which {order}. "
+        f"It was built outside the step (outside loss_fn, or from "
         f"a tensor made once), so TensorFlow evaluates it once per sess.run and every "
         f"inner step would reuse the value of '{var}' from before the run: a silently "
         f"wrong result. Fix: build everything that reads a trained variable inside "

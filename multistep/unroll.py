@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from multistep import lint, transforms
 
-__all__ = ["Unrolled", "unroll"]
+__all__ = ["GraphTooLargeError", "Unrolled", "unroll"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,16 @@ class Unrolled:
     name: str
 
 
-def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
-           grad_transforms=(), global_step=None, name="multistep"):
+MODES = ("unrolled", "while_loop")
+GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
+
+
+class GraphTooLargeError(ValueError):
+    """An unrolled graph would pass the 2 GB GraphDef limit."""
+
+
+def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
+           global_step=None, mode="unrolled", xla=False, name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -59,16 +67,26 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
       steps: N >= 1.
       var_list: variables to train; default: the trainable variables the loss
         has a gradient for. Each must have a gradient path from the loss.
-      inputs: optional tensor, or tuple/list of tensors or nests, each with
-        leading dimension N; step k calls ``loss_fn(*slice_k)`` (a lone tensor
-        or dict is passed as one argument).
+      inputs: optional per-step data. Tensors, or a tuple/list of tensors or
+        nests, each with leading dimension N: step k calls ``loss_fn(*slice_k)``
+        (a lone tensor or dict is passed as one argument). Or a
+        ``tf.compat.v1.data`` iterator or dataset: each step takes the next
+        element (a tuple element is spread over the arguments).
       grad_transforms: gradient transforms ``(grads_and_vars, step) -> grads_and_vars``
         (``ms.clip_by_norm(1.0)``, ...) applied in order between compute and apply
         at every inner step, after ``ms.dedupe_sparse``; ``step`` is the global
         step before the update (None without ``global_step``).
       global_step: optional integer variable, advanced once per inner step.
+      mode: ``"unrolled"``: N copies of the step, chained by control
+        dependencies (the graph grows with N). ``"while_loop"``: step 1, which
+        creates the variables and slots, then one ``tf.while_loop`` body for
+        steps 2..N (graph size independent of N; resource variables only).
+      xla: compile steps 2..N with XLA (``tf.function(jit_compile=True)``).
+        Results then match single steps within floating-point tolerance, not
+        bitwise: XLA fuses and reorders the arithmetic.
       name: name scope; steps appear as
-        ``name/step_k/{forward,gradients,transform,apply}``.
+        ``name/step_k/{forward,gradients,transform,apply}`` (loop mode:
+        ``name/step_1/...`` and ``name/loop/body/...``).
 
     Returns:
       An ``Unrolled`` with ``train_op`` and ``losses``.
@@ -91,49 +109,140 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None,
     steps = positive_int("steps", steps)
     _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
-    var_list = _check_var_list(var_list)
-    global_step = _check_global_step(global_step)
-    transform = _check_transforms(grad_transforms)
-    graph = tf.compat.v1.get_default_graph()
-    guard = _CreationGuard(graph)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if not isinstance(xla, bool):
+        raise TypeError(f"xla must be True or False, got {xla!r}.")
+    step = _Step(loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
+                 _check_transforms(grad_transforms), _CreationGuard(tf.compat.v1.get_default_graph()))
 
-    with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(guard):
-        args_for_step = _per_step_inputs(inputs, steps)
-        losses, apply_op, watched = [], None, None
-        for k in range(1, steps + 1):
-            guard.step = k
-            deps = [apply_op] if apply_op is not None else []
-            with tf.name_scope(f"step_{k}"), tf.control_dependencies(deps):
-                with guard.scope("forward"), _reuse_variables(k > 1):
-                    loss = _call_loss_fn(loss_fn, args_for_step(k), k)
-                with guard.scope("gradients"):
-                    grads_and_vars = optimizer.compute_gradients(
-                        loss, var_list=list(var_list) if var_list else None)
-                    if var_list is None:
-                        grads_and_vars = _trained_pairs(grads_and_vars)
-                        var_list = tuple(v for _, v in grads_and_vars)
-                    _check_gradients(grads_and_vars, k)
-                if transform is not None:
-                    with guard.scope("transform"):
-                        step = None if global_step is None else global_step.read_value()
-                        grads_and_vars = transforms.apply_transform(transform, grads_and_vars, step)
-                with guard.scope("apply"), tf.control_dependencies([loss]):
-                    next_apply = optimizer.apply_gradients(
-                        grads_and_vars, global_step=global_step)
-            if k == 1:
-                state = list(var_list) + optimizer.variables()
-                if global_step is not None:
-                    state.append(global_step)
-                watched = lint.watched_variables(state)
-                lint.warn_stateful_random(next_apply, name=scope.rstrip("/"))
-            else:
-                lint.check_step(k, next_apply, apply_op, watched, name=scope.rstrip("/"))
-            apply_op = next_apply
-            losses.append(tf.cast(loss, tf.float32))
+    with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
+        label = scope.rstrip("/")
+        feed = _Inputs(inputs, steps, xla=xla)
+        graph = tf.compat.v1.get_default_graph()
+        first_op = len(graph.get_operations())
+        with tf.name_scope("step_1"):
+            first_loss, apply_op = step.build(1, feed.args(0), deps=[])
+        step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
+        watched = lint.watched_variables(step.state())
+        lint.warn_stateful_random(apply_op, name=label)
+        if mode == "while_loop" and steps > 1:
+            _check_resource_variables(step.state())
+        if mode == "unrolled" and steps > 1:
+            _check_graph_size(graph, step_bytes, steps, label)
+
+        def rest(after):
+            """Steps 2..N, after the op ``after`` (None: inside a program that starts
+            after step 1): (loss of each, the op that ends them)."""
+            if mode == "while_loop":
+                return _loop(step, feed, steps, after, watched, label)
+            return _chain(step, feed, steps, after, watched, label)
+
+        if steps == 1:
+            losses, last = [first_loss], apply_op
+        elif xla:
+            program = tf.function(lambda: rest(None)[0], jit_compile=True, autograph=False)
+            with tf.control_dependencies([apply_op]):
+                later = program()
+            lint.check_captures(program.get_concrete_function().graph, watched, name=label)
+            losses, last = [first_loss, later], later.op
+        else:
+            later, last = rest(apply_op)
+            losses = [first_loss, later]
+        with tf.control_dependencies([last]):
+            train_op = tf.no_op(name="train")
+            stacked = tf.concat([tf.reshape(tf.cast(x, tf.float32), [-1]) for x in losses], 0,
+                                name="losses")
+    return Unrolled(train_op=train_op, losses=stacked, steps=steps,
+                    var_list=tuple(step.var_list), name=label)
+
+
+class _Step:
+    """Builds one inner step: forward, gradients, transform, apply, in that order."""
+
+    def __init__(self, loss_fn, optimizer, var_list, global_step, transform, guard):
+        self.loss_fn, self.optimizer, self.var_list = loss_fn, optimizer, var_list
+        self.global_step, self.transform, self.guard = global_step, transform, guard
+
+    def build(self, k, args, deps):
+        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``: (loss, apply op)."""
+        self.guard.step = k if isinstance(k, int) else "2..N (the loop body)"
+        with tf.control_dependencies(deps):
+            with self.guard.scope("forward"), _reuse_variables(k != 1):
+                loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, self.guard.step)
+            with self.guard.scope("gradients"):
+                grads_and_vars = self.optimizer.compute_gradients(
+                    loss, var_list=list(self.var_list) if self.var_list else None)
+                if self.var_list is None:
+                    grads_and_vars = _trained_pairs(grads_and_vars)
+                    self.var_list = tuple(v for _, v in grads_and_vars)
+                _check_gradients(grads_and_vars, self.guard.step)
+            if self.transform is not None:
+                with self.guard.scope("transform"):
+                    now = None if self.global_step is None else self.global_step.read_value()
+                    grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
+            with self.guard.scope("apply"), tf.control_dependencies([loss]):
+                apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
+        return loss, apply_op
+
+    def state(self):
+        """Every variable the steps write: weights, optimizer slots, global step."""
+        state = list(self.var_list) + self.optimizer.variables()
+        return state + ([self.global_step] if self.global_step is not None else [])
+
+
+def _chain(step, feed, steps, apply_op, watched, label):
+    """Steps 2..N unrolled, each after the previous apply (step 2 after ``apply_op``)."""
+    losses = []
+    for k in range(2, steps + 1):
+        deps = [apply_op] if apply_op is not None else []
+        with tf.name_scope(f"step_{k}"):
+            loss, next_apply = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
+        if apply_op is not None:
+            lint.check_step(k, next_apply, apply_op, watched, name=label)
+        losses.append(loss)
+        apply_op = next_apply
+    return tf.stack(losses), apply_op
+
+
+def _loop(step, feed, steps, after, watched, label):
+    """Steps 2..N as one ``tf.while_loop`` body; the body reads state after the previous apply."""
+    bodies = []
+
+    def body(i, losses):
+        bodies.append(tf.compat.v1.get_default_graph())
+        loss, apply_op = step.build(i + 1, lambda: feed.args(i), deps=[i])
         with tf.control_dependencies([apply_op]):
-            stacked = tf.stack(losses, name="losses")
-    return Unrolled(train_op=apply_op, losses=stacked, steps=steps,
-                    var_list=tuple(var_list), name=scope.rstrip("/"))
+            return i + 1, losses.write(i - 1, tf.cast(loss, tf.float32))
+
+    with tf.name_scope("loop"), tf.control_dependencies([after] if after is not None else []):
+        i, losses = tf.while_loop(
+            lambda i, _: i < steps, body,
+            [tf.constant(1), tf.TensorArray(tf.float32, size=steps - 1)],
+            parallel_iterations=1, maximum_iterations=steps - 1, name="body")
+    lint.check_captures(bodies[0], watched, name=label)
+    return losses.stack(), i.op
+
+
+def _check_graph_size(graph, step_bytes, steps, label):
+    now = sum(op.node_def.ByteSize() for op in graph.get_operations())
+    estimate = now + (steps - 1) * step_bytes
+    if estimate > GRAPHDEF_LIMIT:
+        raise GraphTooLargeError(
+            f"{label}: {steps} unrolled steps of about {step_bytes / 2**20:.1f} MiB each "
+            f"would make a GraphDef of about {estimate / 2**30:.1f} GiB, over protobuf's "
+            f"2 GiB limit. Use mode='while_loop' (one step body whatever N), a smaller "
+            f"N, or feed large constants through placeholders instead of embedding them.")
+
+
+def _check_resource_variables(variables):
+    ref = [v.op.name for v in variables if v.op.type != "VarHandleOp"]
+    if ref:
+        raise TypeError(
+            f"mode='while_loop' needs resource variables, but {', '.join(map(repr, ref))} "
+            f"{'is a ref variable' if len(ref) == 1 else 'are ref variables'} "
+            f"(use_resource=False), which a tf.while_loop body cannot capture. Create them "
+            f"with use_resource=True (the TF2 default) or use mode='unrolled'.")
 
 
 class _CreationGuard:
@@ -162,7 +271,7 @@ class _CreationGuard:
                 self._prefix = None
 
     def __call__(self, next_creator, **kwargs):
-        if self.step > 1:
+        if self.step != 1:
             raise ValueError(
                 f"loss_fn created variable {kwargs.get('name')!r} at inner step "
                 f"{self.step}; variables must be created on the first call and "
@@ -267,36 +376,55 @@ def _check_global_step(global_step):
     return var
 
 
-def _per_step_inputs(inputs, steps):
-    """A function k -> the positional arguments of step k's loss_fn call."""
-    if inputs is None:
-        return lambda k: ()
-    spread = type(inputs) in (tuple, list)
-    flat = []
-    with tf.name_scope("inputs"):
-        for i, value in enumerate(tf.nest.flatten(inputs)):
-            t = tf.convert_to_tensor(value)
-            where = f"inputs (flattened item {i}, {t.name!r})"
-            if t.shape.rank == 0:
-                raise ValueError(f"{where} is a scalar; it needs a leading dimension of steps={steps}.")
-            lead = t.shape[0] if t.shape.rank is not None else None
-            if lead is not None and lead != steps:
+class _Inputs:
+    """Step k's arguments to loss_fn: slice k of tensors, or the next element of an iterator."""
+
+    def __init__(self, inputs, steps, *, xla):
+        self.iterator, self.structure, self.flat = None, inputs, []
+        if inputs is None:
+            return
+        if isinstance(inputs, tf.data.Dataset):
+            with tf.name_scope("inputs"):
+                inputs = tf.compat.v1.data.make_one_shot_iterator(inputs)
+        if isinstance(inputs, tf.compat.v1.data.Iterator):
+            if xla:
                 raise ValueError(
-                    f"{where} has leading dimension {lead}, expected steps={steps}: "
-                    f"step k takes slice k, so pass one slice per inner step.")
-            if lead is None:
-                check = tf.debugging.assert_equal(
-                    tf.shape(t)[0], steps,
-                    message=f"{where}: leading dimension must equal steps={steps}")
-                with tf.control_dependencies([check]):
-                    t = tf.identity(t)
-            flat.append(t)
+                    "xla=True cannot take its steps' batches from a tf.data iterator: XLA "
+                    "does not compile IteratorGetNext. Batch N steps at once instead, e.g. "
+                    "inputs=tf.compat.v1.data.make_one_shot_iterator(ds.batch(N)).get_next().")
+            self.iterator = inputs
+            self.structure = tf.compat.v1.data.get_output_types(inputs)
+            return
+        with tf.name_scope("inputs"):
+            for i, value in enumerate(tf.nest.flatten(inputs)):
+                self.flat.append(_leading_dimension_checked(tf.convert_to_tensor(value), i, steps))
 
-    def args(k):
-        sliced = tf.nest.pack_sequence_as(inputs, [t[k - 1] for t in flat])
-        return tuple(sliced) if spread else (sliced,)
+    def args(self, index):
+        """Positional arguments for the step at 0-based ``index`` (an int or a scalar tensor)."""
+        if self.structure is None:
+            return ()
+        if self.iterator is not None:
+            element = self.iterator.get_next()
+        else:
+            element = tf.nest.pack_sequence_as(self.structure, [t[index] for t in self.flat])
+        return tuple(element) if type(self.structure) in (tuple, list) else (element,)
 
-    return args
+
+def _leading_dimension_checked(t, i, steps):
+    where = f"inputs (flattened item {i}, {t.name!r})"
+    if t.shape.rank == 0:
+        raise ValueError(f"{where} is a scalar; it needs a leading dimension of steps={steps}.")
+    lead = t.shape[0] if t.shape.rank is not None else None
+    if lead is not None and lead != steps:
+        raise ValueError(
+            f"{where} has leading dimension {lead}, expected steps={steps}: "
+            f"step k takes slice k, so pass one slice per inner step.")
+    if lead is not None:
+        return t
+    check = tf.debugging.assert_equal(
+        tf.shape(t)[0], steps, message=f"{where}: leading dimension must equal steps={steps}")
+    with tf.control_dependencies([check]):
+        return tf.identity(t)
 
 
 def _call_loss_fn(loss_fn, args, step):

@@ -36,8 +36,8 @@ INIT = {
     "layer2/w": _rng.randn(4, 2).astype(np.float32),
     "layer2/b": np.zeros(2, np.float32),
 }
-DATA_X = _rng.randn(5 * RUNS, BATCH, 3).astype(np.float32)  # one batch per global step
-DATA_Y = _rng.randint(0, 2, size=(5 * RUNS, BATCH)).astype(np.int32)
+DATA_X = _rng.randn(17 * RUNS, BATCH, 3).astype(np.float32)  # one batch per global step
+DATA_Y = _rng.randint(0, 2, size=(17 * RUNS, BATCH)).astype(np.int32)
 
 
 def mlp_loss(x, y, use_resource):
@@ -77,7 +77,8 @@ def run_reference(build_loss, make_optimizer, steps, runs, *, per_step=False, le
     return snapshots, np.array(losses, np.float32)
 
 
-def run_fused(build_loss, make_optimizer, steps, runs, *, per_step=False, learning_rate=None):
+def run_fused(build_loss, make_optimizer, steps, runs, *, per_step=False, learning_rate=None,
+              mode="unrolled", xla=False):
     with tf.Graph().as_default():
         gs = V1.train.get_or_create_global_step()
         if per_step:
@@ -87,13 +88,13 @@ def run_fused(build_loss, make_optimizer, steps, runs, *, per_step=False, learni
                      for r in range(runs)]
             unrolled = ms.unroll(build_loss, make_optimizer() if learning_rate is None
                                  else make_optimizer(lambda: learning_rate(gs)),
-                                 steps, inputs=(xs, ys), global_step=gs)
+                                 steps, inputs=(xs, ys), global_step=gs, mode=mode, xla=xla)
         else:
             feeds = [{}] * runs
             unrolled = ms.unroll(lambda: build_loss(DATA_X[0], DATA_Y[0]),
                                  make_optimizer() if learning_rate is None
                                  else make_optimizer(lambda: learning_rate(gs)),
-                                 steps, global_step=gs)
+                                 steps, global_step=gs, mode=mode, xla=xla)
         with V1.Session() as sess:
             sess.run(V1.global_variables_initializer())
             snapshots, losses = [], []
@@ -130,6 +131,21 @@ def test_matches_single_steps_bitwise(optimizer, steps, use_resource, per_step):
     assert got[-1]["global_step"] == steps * RUNS
     # The run trained: a stuck or skipped step would leave the weights where they began.
     assert not np.array_equal(got[-1]["layer1/w"], INIT["layer1/w"])
+
+
+@pytest.mark.parametrize("per_step", [False, True], ids=["fixed-batch", "per-step-inputs"])
+@pytest.mark.parametrize("steps", [1, 5, 17])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_loop_mode_matches_single_steps_bitwise(optimizer, steps, per_step):
+    def build_loss(x, y):
+        return mlp_loss(x, y, True)
+
+    want, want_losses = run_reference(build_loss, OPTIMIZERS[optimizer], steps, RUNS, per_step=per_step)
+    got, got_losses = run_fused(build_loss, OPTIMIZERS[optimizer], steps, RUNS, per_step=per_step,
+                                mode="while_loop")
+    assert_same_states(got, want, steps)
+    assert got_losses.tobytes() == want_losses.tobytes()
+    assert got[-1]["global_step"] == steps * RUNS
 
 
 def test_callable_learning_rate_advances_inside_a_run():

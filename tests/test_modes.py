@@ -1,0 +1,208 @@
+"""Loop mode, XLA, tf.data inputs and the GraphDef guard.
+
+Loop mode's bitwise equivalence with plain minimize runs, for every optimizer,
+is in test_unroll.py; here are what the modes add.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+rng = np.random.RandomState(0)
+X = rng.randn(50, 2).astype(np.float32)
+Y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(np.int32)
+
+
+def xent(logits, y=Y):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def dense_loss(x=X, y=Y):
+    kernel = V1.get_variable("dense/kernel", [2, 2], initializer=V1.ones_initializer())
+    bias = V1.get_variable("dense/bias", [2], initializer=V1.zeros_initializer())
+    return xent(tf.matmul(x, kernel) + bias, y)
+
+
+def build(steps, *, mode="while_loop", xla=False, optimizer=V1.train.AdamOptimizer, lr=0.05):
+    return ms.unroll(dense_loss, optimizer(lr), steps, mode=mode, xla=xla,
+                     global_step=V1.train.get_or_create_global_step()), {}
+
+
+def test_loop_graph_size_does_not_depend_on_steps():
+    def count(steps, mode):
+        with tf.Graph().as_default() as graph:
+            build(steps, mode=mode)
+            return len(graph.as_graph_def().node) + sum(
+                len(f.node_def) for f in graph.as_graph_def().library.function)
+    assert count(2, "while_loop") == count(500, "while_loop")
+    assert count(50, "unrolled") > 10 * count(2, "while_loop")  # while unrolled grows
+
+
+def test_loop_build_keeps_variable_names():
+    with tf.Graph().as_default():
+        build(5)
+        names = sorted(v.op.name for v in V1.global_variables())
+    assert names == ["beta1_power", "beta2_power", "dense/bias", "dense/bias/Adam", "dense/bias/Adam_1",
+                     "dense/kernel", "dense/kernel/Adam", "dense/kernel/Adam_1", "global_step"]
+
+
+def test_loop_mode_with_keras_layers_and_schedule_verifies():
+    layer = {}
+
+    def build_keras(steps):
+        layer["dense"] = keras.layers.Dense(2, kernel_initializer="ones", name="dense")
+        gs = V1.train.get_or_create_global_step()
+        lr = lambda: V1.train.exponential_decay(0.5, gs, 3, 0.5)  # noqa: E731
+        return ms.unroll(lambda: xent(layer["dense"](X)), V1.train.MomentumOptimizer(lr, 0.9), steps,
+                         mode="while_loop", global_step=gs), {}
+
+    report = ms.verify(build_keras, steps=6, runs=3)
+    assert report.ok and report.bitwise, str(report)
+
+
+@pytest.mark.parametrize("name", ["clip_global_norm_noise", "compact_sgd"])
+def test_loop_mode_with_transforms_and_rules_verifies(name):
+    def build_it(steps):
+        if name == "compact_sgd":
+            opt = ms.RuleOptimizer(ms.rules.compact_sgd(3.0, noise_stddev=0.1, seed=2), learning_rate=0.1)
+            transforms = []
+        else:
+            opt = V1.train.AdamOptimizer(0.05)
+            transforms = [ms.clip_by_global_norm(0.1), ms.add_noise(0.01, seed=3)]
+        return ms.unroll(dense_loss, opt, steps, mode="while_loop", grad_transforms=transforms,
+                         global_step=V1.train.get_or_create_global_step()), {}
+
+    report = ms.verify(build_it, steps=7, runs=3)
+    assert report.ok and report.bitwise, str(report)
+
+
+def test_loop_mode_refuses_ref_variables():
+    with tf.Graph().as_default():
+        def loss_fn():
+            w = V1.get_variable("w", [2, 2], use_resource=False)
+            return xent(tf.matmul(X, w))
+
+        with pytest.raises(TypeError, match="mode='while_loop' needs resource variables, but 'w' is a ref"):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, mode="while_loop")
+
+
+def test_loop_mode_refuses_a_captured_stale_forward_pass():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", [2, 2])
+        logits = tf.matmul(X, w, name="reused_matmul")
+
+        def loss_fn():
+            return xent(logits) + 0.0 * tf.reduce_sum(w)  # step 1 is fine: w is read inside too
+
+        with pytest.raises(ms.StaleForwardError, match="'reused_matmul'.*computed once, before the loop"):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, mode="while_loop")
+
+
+def test_loop_mode_refuses_a_stale_learning_rate_tensor():
+    with tf.Graph().as_default():
+        gs = V1.train.get_or_create_global_step()
+        lr = V1.train.exponential_decay(0.1, gs, 10, 0.5)
+        with pytest.raises(ms.StaleForwardError, match="global_step"):
+            ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(lr), 3, mode="while_loop",
+                      global_step=gs)
+
+
+def test_variable_created_in_the_loop_body_is_refused():
+    with tf.Graph().as_default():
+        w = tf.Variable(1.0, name="w")
+        with pytest.raises(ValueError, match=r"created variable 'fresh' at inner step 2..N \(the loop body\)"):
+            ms.unroll(lambda: w * tf.Variable(2.0, name="fresh"), V1.train.GradientDescentOptimizer(0.1),
+                      3, mode="while_loop")
+
+
+def test_bad_mode_and_xla():
+    with tf.Graph().as_default():
+        w = tf.Variable(1.0)
+        with pytest.raises(ValueError, match="mode must be one of"):
+            ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.1), 2, mode="loop")
+        with pytest.raises(TypeError, match="xla must be True or False"):
+            ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.1), 2, xla="yes")
+
+
+# tf.data: each inner step takes its own batch.
+
+BATCH_X = rng.randn(24, 10, 2).astype(np.float32)
+BATCH_Y = (BATCH_X[..., 0] > 0).astype(np.int32)
+
+
+def dataset():
+    return tf.data.Dataset.from_tensor_slices((BATCH_X, BATCH_Y))
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+@pytest.mark.parametrize("as_iterator", [False, True], ids=["dataset", "iterator"])
+def test_tf_data_gives_each_step_its_own_batch(mode, as_iterator):
+    def build_data(steps):
+        data = dataset()  # in the graph being built
+        inputs = V1.data.make_one_shot_iterator(data) if as_iterator else data
+        return ms.unroll(dense_loss, V1.train.AdamOptimizer(0.05), steps, inputs=inputs, mode=mode,
+                         global_step=V1.train.get_or_create_global_step()), {}
+
+    report = ms.verify(build_data, steps=4, runs=6)  # 24 batches: all of them, once
+    assert report.ok and report.bitwise, str(report)
+    assert len(set(report.fused_losses.tolist())) == 24  # a different batch at every step
+
+
+def test_exhausted_iterator_raises_out_of_range():
+    with tf.Graph().as_default():
+        unrolled = ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(0.1), 4,
+                             inputs=dataset().take(6), global_step=V1.train.get_or_create_global_step())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            sess.run(unrolled.train_op)
+            with pytest.raises(tf.errors.OutOfRangeError):
+                sess.run(unrolled.train_op)
+            assert sess.run(V1.train.get_global_step()) == 6  # the steps that had a batch were applied
+
+
+def test_xla_with_tf_data_is_refused():
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match="xla=True cannot take its steps' batches from a tf.data"):
+            ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(0.1), 3, inputs=dataset(), xla=True)
+
+
+# XLA: equal within a stated tolerance.
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+@pytest.mark.parametrize("optimizer", [V1.train.GradientDescentOptimizer, V1.train.AdamOptimizer,
+                                       V1.train.AdadeltaOptimizer], ids=lambda o: o.__name__)
+def test_xla_matches_single_steps_within_tolerance(mode, optimizer):
+    report = ms.verify(functools.partial(build, mode=mode, xla=True, optimizer=optimizer),
+                       steps=10, runs=10, atol=1e-5)
+    assert report.ok, str(report)
+    assert report.final_values["global_step"] == 100
+
+
+def test_xla_program_is_compiled():
+    with tf.Graph().as_default() as graph:
+        build(5, mode="while_loop", xla=True)
+        calls = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+    assert len(calls) == 1 and calls[0].get_attr("_XlaMustCompile")
+
+
+# The GraphDef guard.
+
+def test_unrolled_graph_over_the_limit_is_refused_before_building():
+    big = np.ones((256, 1024), np.float32)  # 1 MiB embedded in every step
+
+    def loss_fn():
+        w = V1.get_variable("w", [1024], initializer=V1.zeros_initializer())
+        return tf.reduce_sum(tf.linalg.matvec(tf.constant(big), w))
+
+    with tf.Graph().as_default() as graph:
+        with pytest.raises(ms.GraphTooLargeError, match="2 GiB limit. Use mode='while_loop'"):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3000)
+        assert not [op for op in graph.get_operations() if "step_2/" in op.name]
+    with tf.Graph().as_default():
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3000, mode="while_loop")
