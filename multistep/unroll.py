@@ -167,12 +167,21 @@ class _Step:
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``: (loss, apply op)."""
         self.guard.step = k if isinstance(k, int) else "2..N (the loop body)"
+        tape = _tape_for(self.optimizer, self.var_list) if k != 1 else None
         with tf.control_dependencies(deps):
-            with self.guard.scope("forward"), _reuse_variables(k != 1):
+            with self.guard.scope("forward"), _reuse_variables(k != 1), tape or contextlib.nullcontext():
+                if tape is not None:
+                    tape.watch(self.var_list)
                 loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, self.guard.step)
             with self.guard.scope("gradients"):
-                grads_and_vars = self.optimizer.compute_gradients(
-                    loss, var_list=list(self.var_list) if self.var_list else None)
+                if tape is not None:
+                    grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
+                if tape is None or any(g is None for g, _ in grads_and_vars):
+                    # No tape, or the tape missed a variable step 1 had a gradient for: it
+                    # was read outside this step (stale). tf.gradients follows that read,
+                    # so the stale-forward check below can name it.
+                    grads_and_vars = self.optimizer.compute_gradients(
+                        loss, var_list=list(self.var_list) if self.var_list else None)
                 if self.var_list is None:
                     grads_and_vars = _trained_pairs(grads_and_vars)
                     self.var_list = tuple(v for _, v in grads_and_vars)
@@ -189,6 +198,21 @@ class _Step:
         """Every variable the steps write: weights, optimizer slots, global step."""
         state = list(self.var_list) + self.optimizer.variables()
         return state + ([self.global_step] if self.global_step is not None else [])
+
+
+def _tape_for(optimizer, var_list):
+    """A GradientTape for steps 2..N when it computes what compute_gradients would.
+
+    ``tf.gradients`` (inside ``compute_gradients``) walks forward from each
+    variable through every op that reads it, which in an unrolled graph is every
+    earlier step: building N steps costs O(N^2). A tape records this step's ops
+    only. It sees resource-variable reads, so ref variables keep
+    ``compute_gradients``, as does an optimizer that overrides it (loss scaling).
+    """
+    stock = type(optimizer).compute_gradients is tf.compat.v1.train.Optimizer.compute_gradients
+    if stock and all(v.op.type == "VarHandleOp" for v in var_list):
+        return tf.GradientTape(watch_accessed_variables=False)
+    return None
 
 
 def _chain(step, feed, steps, apply_op, watched, label):

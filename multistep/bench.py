@@ -1,0 +1,304 @@
+"""Benchmark harness: per-step time of ``ms.unroll``'s modes against the alternatives.
+
+Every method trains the same model with the same optimizer class
+(``tf.compat.v1.train.AdamOptimizer``, Keras' Adam for Keras) and is timed side
+by side in one process, after a warm-up, as the median over repeats of the
+wall time per optimizer step. Ratios are against N separate ``sess.run`` calls
+of a stock ``minimize`` op. Results are printed, never asserted.
+
+Problems:
+  blobs  make_blobs 50 x 2 -> dense 2 (overhead-bound: the maths is tiny)
+  mlp    512 x 32 -> 256 -> 256 -> 2, relu (compute-bound)
+"""
+
+import csv
+import dataclasses
+import os
+import resource
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from multistep.unroll import unroll
+
+__all__ = ["PROBLEMS", "METHODS", "Result", "graph_costs", "run", "time_method"]
+
+V1 = tf.compat.v1
+LEARNING_RATE = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    layers: tuple  # hidden widths, then the output width
+
+
+def _problems():
+    from multistep import blobs
+
+    x, y = blobs.data(0)
+    rng = np.random.RandomState(0)
+    mlp_x = rng.randn(512, 32).astype(np.float32)
+    mlp_y = (mlp_x[:, 0] > 0).astype(np.int32)
+    return {"blobs": Problem("blobs", x, y, (2,)),
+            "mlp": Problem("mlp", mlp_x, mlp_y, (256, 256, 2))}
+
+
+PROBLEMS = ("blobs", "mlp")
+
+
+def _initial_values(problem):
+    rng = np.random.RandomState(1)
+    shapes, width = [], problem.x.shape[1]
+    for units in problem.layers:
+        shapes.append((width, units))
+        width = units
+    if problem.name == "blobs":
+        return [(np.ones(s, np.float32), np.zeros(s[1], np.float32)) for s in shapes]
+    return [((rng.randn(*s) / np.sqrt(s[0])).astype(np.float32), np.zeros(s[1], np.float32))
+            for s in shapes]
+
+
+def _forward(problem, weights, x):
+    h = x
+    for i, (w, b) in enumerate(weights):
+        h = tf.matmul(h, w) + b
+        if i < len(weights) - 1:
+            h = tf.nn.relu(h)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=problem.y, logits=h))
+
+
+def _graph_loss_fn(problem):
+    init = _initial_values(problem)
+
+    def loss_fn():
+        weights = [(V1.get_variable(f"layer{i}/kernel", initializer=w),
+                    V1.get_variable(f"layer{i}/bias", initializer=b)) for i, (w, b) in enumerate(init)]
+        return _forward(problem, weights, problem.x)
+    return loss_fn
+
+
+def _session_config():
+    config = V1.ConfigProto()
+    if _pinned():
+        config.intra_op_parallelism_threads = config.inter_op_parallelism_threads = 1
+    return config
+
+
+def _pinned():
+    return len(os.sched_getaffinity(0)) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    repeats: int
+    min_repeat_s: float
+
+    def per_step_us(self, step_fn, steps):
+        """µs per optimizer step of ``step_fn`` (which performs ``steps``), one sample a repeat.
+
+        The first call is a warm-up (allocation, XLA compilation); a repeat
+        makes as many calls as fill ``min_repeat_s``.
+        """
+        step_fn()
+        start, calls = time.perf_counter(), 0
+        while calls == 0 or time.perf_counter() - start < self.min_repeat_s:
+            step_fn()
+            calls += 1
+        samples = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step_fn()
+            samples.append((time.perf_counter() - start) / (calls * steps) * 1e6)
+        return samples
+
+
+def _v1_method(mode, xla):
+    def method(problem, steps, timing):
+        with tf.Graph().as_default() as graph:
+            gs = V1.train.get_or_create_global_step()
+            optimizer = V1.train.AdamOptimizer(LEARNING_RATE)
+            if mode == "sess.run":
+                op, calls = optimizer.minimize(_graph_loss_fn(problem)(), global_step=gs), steps
+            else:
+                op = unroll(_graph_loss_fn(problem), optimizer, steps, global_step=gs, mode=mode,
+                            xla=xla).train_op
+                calls = 1
+            init = V1.global_variables_initializer()
+            graph.finalize()
+            with V1.Session(config=_session_config()) as sess:
+                sess.run(init)
+
+                def run_steps():
+                    for _ in range(calls):
+                        sess.run(op)
+                return timing.per_step_us(run_steps, steps)
+    return method
+
+
+def _tf2_method(jit):
+    def method(problem, steps, timing):
+        weights = [(tf.Variable(w), tf.Variable(b)) for w, b in _initial_values(problem)]
+        flat = [v for pair in weights for v in pair]
+        optimizer = V1.train.AdamOptimizer(LEARNING_RATE)
+        x = tf.constant(problem.x)
+
+        @tf.function(jit_compile=jit)
+        def train():
+            for _ in tf.range(steps):
+                optimizer.minimize(lambda: _forward(problem, weights, x), var_list=flat)
+
+        return timing.per_step_us(train, steps)
+    return method
+
+
+def _keras_method(problem, steps, timing):
+    import keras
+
+    inputs = keras.Input((problem.x.shape[1],))
+    h = inputs
+    for i, ((w, b), units) in enumerate(zip(_initial_values(problem), problem.layers)):
+        h = keras.layers.Dense(units, activation="relu" if i < len(problem.layers) - 1 else None,
+                               kernel_initializer=keras.initializers.Constant(w))(h)
+    model = keras.Model(inputs, h)
+    model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), steps_per_execution=steps,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
+    # fit() has a fixed cost per call (callbacks, iterator); time 2k minus k steps to leave it out.
+    k = steps * max(1, 200 // steps)
+    model.fit(data, steps_per_epoch=k, epochs=1, verbose=0)
+    samples = []
+    for _ in range(timing.repeats):
+        durations = []
+        for n in (k, 2 * k):
+            start = time.perf_counter()
+            model.fit(data, steps_per_epoch=n, epochs=1, verbose=0)
+            durations.append(time.perf_counter() - start)
+        samples.append((durations[1] - durations[0]) / k * 1e6)
+    return samples
+
+
+METHODS = {
+    "sess.run x N": _v1_method("sess.run", False),
+    "unrolled": _v1_method("unrolled", False),
+    "unrolled+xla": _v1_method("unrolled", True),
+    "while_loop": _v1_method("while_loop", False),
+    "while_loop+xla": _v1_method("while_loop", True),
+    "tf.function": _tf2_method(False),
+    "tf.function+jit": _tf2_method(True),
+    "keras spe=N": _keras_method,
+}
+BASELINE = "sess.run x N"
+# Unrolled XLA compiles N copies of the step; past this N the compile takes minutes.
+MAX_UNROLLED_XLA_STEPS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    problem: str
+    steps: int
+    method: str
+    median_us: float
+    low_us: float
+    high_us: float
+    note: str = ""
+
+
+def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05):
+    """One (problem, method, N): per-step times in µs, median and spread."""
+    if method == "unrolled+xla" and steps > MAX_UNROLLED_XLA_STEPS:
+        return Result(problem, steps, method, float("nan"), float("nan"), float("nan"),
+                      f"skipped: N > {MAX_UNROLLED_XLA_STEPS} (compile time)")
+    samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s))
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return Result(problem, steps, method, statistics.median(samples), q[0], q[2])
+
+
+def graph_costs(problem, mode, steps):
+    """Build time (s), node count (with function bodies) and peak allocator bytes of one run."""
+    with tf.Graph().as_default() as graph:
+        start = time.perf_counter()
+        unrolled = unroll(_graph_loss_fn(_problems()[problem]), V1.train.AdamOptimizer(LEARNING_RATE),
+                          steps, global_step=V1.train.get_or_create_global_step(), mode=mode)
+        build_s = time.perf_counter() - start
+        graph_def = graph.as_graph_def()
+        nodes = len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+        with V1.Session(config=_session_config()) as sess:
+            sess.run(V1.global_variables_initializer())
+            sess.run(unrolled.train_op)
+            metadata = V1.RunMetadata()
+            sess.run(unrolled.train_op, options=V1.RunOptions(trace_level=V1.RunOptions.FULL_TRACE),
+                     run_metadata=metadata)
+    peak = max((m.allocator_bytes_in_use for d in metadata.step_stats.dev_stats
+                for n in d.node_stats for m in n.memory), default=0)
+    return {"problem": problem, "mode": mode, "steps": steps, "build_s": build_s, "nodes": nodes,
+            "peak_bytes": peak, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, progress=None):
+    """Times every (problem, N, method); ``progress(i, total, label)`` is called before each."""
+    jobs = [(p, n, m) for p in problems for n in steps_list for m in methods]
+    results = []
+    for i, (p, n, m) in enumerate(jobs):
+        if progress:
+            progress(i, len(jobs), f"{p} N={n} {m}")
+        results.append(time_method(p, m, n, repeats=repeats, min_repeat_s=min_repeat_s))
+    if progress:
+        progress(len(jobs), len(jobs), "done")
+    return results
+
+
+def table(results):
+    """The results as text: µs per step, spread, and speed-up over N x sess.run."""
+    base = {(r.problem, r.steps): r.median_us for r in results if r.method == BASELINE}
+    lines = [f"{'problem':<7} {'N':>5}  {'method':<16} {'µs/step':>9} {'spread (IQR)':>17} "
+             f"{'speed-up vs sess.run x N':>25}"]
+    for r in results:
+        if np.isnan(r.median_us):
+            lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {'—':>9} {'':>17} {r.note:>25}")
+            continue
+        ratio = base.get((r.problem, r.steps), float("nan")) / r.median_us
+        lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {r.median_us:>9.2f} "
+                     f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} {ratio:>24.2f}x")
+    return "\n".join(lines)
+
+
+def write_csv(results, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([field.name for field in dataclasses.fields(Result)])
+        for r in results:
+            writer.writerow(dataclasses.astuple(r))
+    return path
+
+
+def plot(results, path):
+    """A PNG of µs/step against N per method and problem; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    problems = sorted({r.problem for r in results})
+    fig, axes = plt.subplots(1, len(problems), figsize=(6 * len(problems), 4.5), squeeze=False)
+    for ax, problem in zip(axes[0], problems):
+        for method in METHODS:
+            points = [(r.steps, r.median_us) for r in results
+                      if r.problem == problem and r.method == method and not np.isnan(r.median_us)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.set(xscale="log", yscale="log", xlabel="N (steps per call)", ylabel="µs per step",
+               title=problem)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
