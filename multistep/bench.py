@@ -13,7 +13,6 @@ Problems:
 
 import csv
 import dataclasses
-import os
 import resource
 import statistics
 import time
@@ -23,7 +22,8 @@ import tensorflow as tf
 
 from multistep.unroll import unroll
 
-__all__ = ["PROBLEMS", "METHODS", "Result", "graph_costs", "run", "time_method"]
+__all__ = ["METHODS", "PROBLEMS", "Result", "graph_costs", "graph_table", "plot", "run", "table",
+           "time_method", "write_csv"]
 
 V1 = tf.compat.v1
 LEARNING_RATE = 0.01
@@ -35,6 +35,7 @@ class Problem:
     x: np.ndarray
     y: np.ndarray
     layers: tuple  # hidden widths, then the output width
+    keras_steps: int  # steps per timed Keras fit(): enough to swamp its fixed cost
 
 
 def _problems():
@@ -44,8 +45,8 @@ def _problems():
     rng = np.random.RandomState(0)
     mlp_x = rng.randn(512, 32).astype(np.float32)
     mlp_y = (mlp_x[:, 0] > 0).astype(np.int32)
-    return {"blobs": Problem("blobs", x, y, (2,)),
-            "mlp": Problem("mlp", mlp_x, mlp_y, (256, 256, 2))}
+    return {"blobs": Problem("blobs", x, y, (2,), keras_steps=4000),
+            "mlp": Problem("mlp", mlp_x, mlp_y, (256, 256, 2), keras_steps=200)}
 
 
 PROBLEMS = ("blobs", "mlp")
@@ -82,21 +83,11 @@ def _graph_loss_fn(problem):
     return loss_fn
 
 
-def _session_config():
-    config = V1.ConfigProto()
-    if _pinned():
-        config.intra_op_parallelism_threads = config.inter_op_parallelism_threads = 1
-    return config
-
-
-def _pinned():
-    return len(os.sched_getaffinity(0)) == 1
-
-
 @dataclasses.dataclass(frozen=True)
 class _Timing:
     repeats: int
     min_repeat_s: float
+    keras_steps: int = 4000
 
     def per_step_us(self, step_fn, steps):
         """µs per optimizer step of ``step_fn`` (which performs ``steps``), one sample a repeat.
@@ -131,7 +122,7 @@ def _v1_method(mode, xla):
                 calls = 1
             init = V1.global_variables_initializer()
             graph.finalize()
-            with V1.Session(config=_session_config()) as sess:
+            with V1.Session() as sess:
                 sess.run(init)
 
                 def run_steps():
@@ -170,7 +161,7 @@ def _keras_method(problem, steps, timing):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
     # fit() has a fixed cost per call (callbacks, iterator); time 2k minus k steps to leave it out.
-    k = steps * max(1, 200 // steps)
+    k = steps * max(2, min(problem.keras_steps, timing.keras_steps) // steps)
     model.fit(data, steps_per_epoch=k, epochs=1, verbose=0)
     samples = []
     for _ in range(timing.repeats):
@@ -209,12 +200,12 @@ class Result:
     note: str = ""
 
 
-def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05):
+def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05, keras_steps=4000):
     """One (problem, method, N): per-step times in µs, median and spread."""
     if method == "unrolled+xla" and steps > MAX_UNROLLED_XLA_STEPS:
         return Result(problem, steps, method, float("nan"), float("nan"), float("nan"),
                       f"skipped: N > {MAX_UNROLLED_XLA_STEPS} (compile time)")
-    samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s))
+    samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s, keras_steps))
     q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
     return Result(problem, steps, method, statistics.median(samples), q[0], q[2])
 
@@ -228,7 +219,7 @@ def graph_costs(problem, mode, steps):
         build_s = time.perf_counter() - start
         graph_def = graph.as_graph_def()
         nodes = len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
-        with V1.Session(config=_session_config()) as sess:
+        with V1.Session() as sess:
             sess.run(V1.global_variables_initializer())
             sess.run(unrolled.train_op)
             metadata = V1.RunMetadata()
@@ -240,16 +231,16 @@ def graph_costs(problem, mode, steps):
             "peak_bytes": peak, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, progress=None):
-    """Times every (problem, N, method); ``progress(i, total, label)`` is called before each."""
+def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, keras_steps=4000,
+        progress=None):
+    """Times every (problem, N, method); ``progress(done, total)`` is called after each."""
     jobs = [(p, n, m) for p in problems for n in steps_list for m in methods]
     results = []
     for i, (p, n, m) in enumerate(jobs):
+        results.append(time_method(p, m, n, repeats=repeats, min_repeat_s=min_repeat_s,
+                                   keras_steps=keras_steps))
         if progress:
-            progress(i, len(jobs), f"{p} N={n} {m}")
-        results.append(time_method(p, m, n, repeats=repeats, min_repeat_s=min_repeat_s))
-    if progress:
-        progress(len(jobs), len(jobs), "done")
+            progress(i + 1, len(jobs))
     return results
 
 
@@ -268,12 +259,26 @@ def table(results):
     return "\n".join(lines)
 
 
-def write_csv(results, path):
+def graph_table(costs):
+    """Build time, node count and peak memory against N, with ratios to the smallest N."""
+    first = {}
+    lines = [f"{'problem':<7} {'mode':<10} {'N':>5} {'build s':>8} {'nodes':>7} "
+             f"{'peak KiB':>9} {'peak / first N':>14}"]
+    for c in costs:
+        base = first.setdefault((c["problem"], c["mode"]), c)
+        ratio = f"{c['peak_bytes'] / base['peak_bytes']:.2f}x" if base["peak_bytes"] else "—"
+        lines.append(f"{c['problem']:<7} {c['mode']:<10} {c['steps']:>5} {c['build_s']:>8.2f} "
+                     f"{c['nodes']:>7} {c['peak_bytes'] / 2**10:>9.0f} {ratio:>14}")
+    return "\n".join(lines)
+
+
+def write_csv(rows, path):
+    """Writes ``Result``s or ``graph_costs`` dicts as CSV."""
+    rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
     with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([field.name for field in dataclasses.fields(Result)])
-        for r in results:
-            writer.writerow(dataclasses.astuple(r))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     return path
 
 

@@ -41,7 +41,8 @@ def data(seed=0, n_samples=50):
     return x.astype(np.float32), y.astype(np.int32)
 
 
-def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulus=None):
+def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulus=None,
+          mode="unrolled"):
     """``build_fn`` for ``ms.verify``: the blobs classifier with ``steps`` inner steps.
 
     The dense layer's kernel starts at ones and its bias at zeros; the loss is
@@ -64,8 +65,8 @@ def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulu
         opt = rules.RuleOptimizer(rules.compact_sgd(modulus), learning_rate=lr)
     else:
         opt = make_optimizer(optimizer, lr)
-    return unroll(loss_fn, opt, steps, global_step=global_step,
-                  grad_transforms=grad_transforms), {}
+    return unroll(loss_fn, opt, steps, global_step=global_step, grad_transforms=grad_transforms,
+                  mode=mode), {}
 
 
 def predict(values, x):

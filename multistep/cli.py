@@ -50,7 +50,9 @@ def _parser():
     blobs.add_argument("--modulus", type=_positive_float, metavar="B",
                        help="with --rule compact-sgd: weights live in [0, B)")
     blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
-                       help="where the unrolled graph is written (default tensorboard_logs/blobs)")
+                       help="TensorBoard runs fused_N and single are (re)written here "
+                            "(default tensorboard_logs/blobs)")
+    blobs.add_argument("--quiet", action="store_true", help="no progress bar")
     blobs.set_defaults(func=_blobs)
 
     verify = sub.add_parser(
@@ -61,6 +63,35 @@ def _parser():
     verify.add_argument("--runs", type=_positive, default=4)
     verify.add_argument("--atol", type=float, default=0.0, help="allowed max |Δ| (default 0: exact)")
     verify.set_defaults(func=_verify)
+
+    graph = sub.add_parser(
+        "graph", help="write an unrolled graph for TensorBoard and summarise its ops per step")
+    graph.add_argument("target", metavar="FILE.py:FN", nargs="?",
+                       help="a build_fn(steps) -> (unrolled, feed_dict); default: the blobs model")
+    graph.add_argument("--steps", type=_positive, default=3)
+    graph.add_argument("--mode", choices=["unrolled", "while_loop"], default="unrolled",
+                       help="for the blobs model (a build_fn picks its own)")
+    graph.add_argument("--logdir", default=os.path.join("tensorboard_logs", "graph"),
+                       help="default tensorboard_logs/graph")
+    graph.set_defaults(func=_graph)
+
+    from multistep.bench import METHODS, PROBLEMS
+
+    bench = sub.add_parser(
+        "bench", help="per-step time of the modes against N x sess.run and other baselines")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: blobs, N in {1, 10}, few repeats")
+    bench.add_argument("--problems", nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
+    bench.add_argument("--steps", nargs="+", type=_positive, default=[1, 10, 100, 1000],
+                       help="values of N (default 1 10 100 1000)")
+    bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    bench.add_argument("--repeats", type=_positive, default=7, help="timed repeats (default 7)")
+    bench.add_argument("--cpu", type=int, default=0,
+                       help="pin this process to one core (default 0); -1 leaves it unpinned")
+    bench.add_argument("--out", default="bench_results",
+                       help="directory for bench.csv, graph.csv and bench.png (default bench_results)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench)
     return parser
 
 
@@ -118,7 +149,8 @@ def _blobs(args):
           + "".join(f"; {t.__name__}" for t in transforms))
     print(f"{args.runs} runs of {n} steps (one sess.run each) beside "
           f"{args.runs * n} runs of 1 step; ► r marks the first step of {n}-step run r\n")
-    report = ms.verify(build, steps=n, runs=args.runs)
+    report = ms.verify(build, steps=n, runs=args.runs,
+                       progress=_progress_bar(args.runs, args.quiet))
     print(f"{'step':>6}  {'':>6}  {f'{n}-step loss':>12}  {'1-step loss':>12}  {'|Δ|':>8}")
     for i, (fused, single) in enumerate(zip(report.fused_losses, report.single_losses)):
         mark = f"► {i // n + 1:>3}" if i % n == 0 else ""
@@ -128,13 +160,37 @@ def _blobs(args):
     x, y = blobs.data(args.seed)
     correct = int((blobs.predict(report.final_values, x) == y).sum())
     print(f"accuracy after {args.runs * n} steps: {correct / len(y):.3f} ({correct}/{len(y)})")
+    runs = {f"fused_{n}": (n, report.fused_losses), "single": (1, report.single_losses)}
+    for run, (steps, losses) in runs.items():
+        graph = tf.Graph()
+        with graph.as_default():
+            build(steps)
+        summaries.write_run(os.path.join(args.logdir, run), graph, {"loss": losses})
+    print(f"TensorBoard runs {', '.join(runs)} (the {n}-step graph and a loss point per step) "
+          f"written to {args.logdir}; view them with: tensorboard --logdir {args.logdir}")
+    return 0 if report.ok else 1
+
+
+def _graph(args):
+    import tensorflow as tf
+
+    from multistep import blobs, summaries
+
+    if args.target:
+        build_fn = _load_target(args.target)
+        if build_fn is None:
+            return 2
+    else:
+        build_fn = functools.partial(blobs.build, mode=args.mode)
     graph = tf.Graph()
     with graph.as_default():
-        build(n)
+        unrolled, _ = build_fn(args.steps)
+    steps, edges = summaries.graph_summary(graph, unrolled.name)
+    print(f"{unrolled.name}: {args.steps} steps, {len(graph.get_operations())} ops in the graph")
+    print(summaries.format_graph_summary(steps, edges))
     summaries.write_graph(graph, args.logdir)
-    print(f"unrolled {n}-step graph written to {args.logdir}; view it with: "
-          f"tensorboard --logdir {args.logdir}")
-    return 0 if report.ok else 1
+    print(f"graph written to {args.logdir}; view it with: tensorboard --logdir {args.logdir}")
+    return 0
 
 
 def _verify(args):
@@ -146,6 +202,49 @@ def _verify(args):
     report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol)
     print(report)
     return 0 if report.ok else 1
+
+
+def _progress_bar(total, quiet):
+    """A Keras progress bar, or None when quiet or not writing to a terminal."""
+    if quiet or not sys.stdout.isatty():
+        return None
+    import keras
+
+    bar = keras.utils.Progbar(total)
+    return lambda done, _total: bar.update(done)
+
+
+def _bench(args):
+    from multistep import bench
+
+    if args.cpu >= 0:
+        os.sched_setaffinity(0, {args.cpu})  # before TensorFlow sizes its thread pools
+    problems, steps, methods, repeats = args.problems, args.steps, args.methods, args.repeats
+    keras_steps, graph_steps = 4000, [1, 10, 100, 1000]
+    if args.quick:
+        problems, steps, repeats, keras_steps, graph_steps = ["blobs"], [1, 10], 3, 40, [1, 10]
+    pinned = f"pinned to core {args.cpu}" if args.cpu >= 0 else "not pinned"
+    print(f"multistep bench: {', '.join(problems)}; N in {steps}; {repeats} repeats; {pinned}")
+    graph_jobs = [(p, m, n) for p in problems for m in ("unrolled", "while_loop") for n in graph_steps]
+    progress = _progress_bar(len(problems) * len(steps) * len(methods) + len(graph_jobs), args.quiet)
+    results = bench.run(problems, steps, methods, repeats=repeats, keras_steps=keras_steps,
+                        progress=progress)
+    costs = []
+    for p, mode, n in graph_jobs:
+        costs.append(bench.graph_costs(p, mode, n))
+        if progress:
+            progress(len(results) + len(costs), None)
+    print()
+    print(bench.table(results))
+    print()
+    print(bench.graph_table(costs))
+    os.makedirs(args.out, exist_ok=True)
+    written = [bench.write_csv(results, os.path.join(args.out, "bench.csv")),
+               bench.write_csv(costs, os.path.join(args.out, "graph.csv"))]
+    png = bench.plot(results, os.path.join(args.out, "bench.png"))
+    written.append(png or "no plot: pip install matplotlib (the [plot] extra)")
+    print("\nwritten: " + ", ".join(written))
+    return 0
 
 
 def _load_target(target):

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from multistep import lint, transforms
 
-__all__ = ["GraphTooLargeError", "Unrolled", "unroll"]
+__all__ = ["GraphTooLargeError", "MODES", "RECORDS", "Unrolled", "unroll"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Unrolled:
       losses: float32 ``[N]``, the loss of each inner step before its apply.
         It depends on ``train_op``: fetching it (alone or with ``train_op``)
         runs the N steps exactly once.
+      records: name -> float32 ``[N]`` for each quantity asked for with
+        ``record=`` (``"grad_norm"``, ``"learning_rate"``), like ``losses``.
       steps: N.
       var_list: the variables trained, in order.
       name: the name scope holding ``step_1`` ... ``step_N``.
@@ -43,9 +45,11 @@ class Unrolled:
     steps: int
     var_list: tuple
     name: str
+    records: dict = dataclasses.field(default_factory=dict)
 
 
 MODES = ("unrolled", "while_loop")
+RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
 
@@ -54,7 +58,7 @@ class GraphTooLargeError(ValueError):
 
 
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
-           global_step=None, mode="unrolled", xla=False, name="multistep"):
+           global_step=None, mode="unrolled", xla=False, record=(), name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -84,6 +88,11 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
       xla: compile steps 2..N with XLA (``tf.function(jit_compile=True)``).
         Results then match single steps within floating-point tolerance, not
         bitwise: XLA fuses and reorders the arithmetic.
+      record: per-step quantities to return beside the losses, in
+        ``Unrolled.records``: ``"grad_norm"`` (global L2 norm of the gradients
+        that are applied, after the transforms) and ``"learning_rate"`` (the
+        optimizer's learning rate at that step; read from its ``_learning_rate``
+        or ``_lr`` attribute, as the stock optimizers keep it).
       name: name scope; steps appear as
         ``name/step_k/{forward,gradients,transform,apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
@@ -114,7 +123,8 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
     if not isinstance(xla, bool):
         raise TypeError(f"xla must be True or False, got {xla!r}.")
     step = _Step(loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
-                 _check_transforms(grad_transforms), _CreationGuard(tf.compat.v1.get_default_graph()))
+                 _check_transforms(grad_transforms), _CreationGuard(tf.compat.v1.get_default_graph()),
+                 _check_record(record, optimizer))
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
         label = scope.rstrip("/")
@@ -122,7 +132,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
         with tf.name_scope("step_1"):
-            first_loss, apply_op = step.build(1, feed.args(0), deps=[])
+            first, apply_op = step.build(1, feed.args(0), deps=[])
         step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
         watched = lint.watched_variables(step.state())
         lint.warn_stateful_random(apply_op, name=label)
@@ -133,39 +143,43 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
 
         def rest(after):
             """Steps 2..N, after the op ``after`` (None: inside a program that starts
-            after step 1): (loss of each, the op that ends them)."""
+            after step 1): ({output name: [N-1] values}, the op that ends them)."""
             if mode == "while_loop":
                 return _loop(step, feed, steps, after, watched, label)
             return _chain(step, feed, steps, after, watched, label)
 
         if steps == 1:
-            losses, last = [first_loss], apply_op
+            later, last = {}, apply_op
         elif xla:
             program = tf.function(lambda: rest(None)[0], jit_compile=True, autograph=False)
             with tf.control_dependencies([apply_op]):
                 later = program()
             lint.check_captures(program.get_concrete_function().graph, watched, name=label)
-            losses, last = [first_loss, later], later.op
+            last = next(iter(later.values())).op
         else:
             later, last = rest(apply_op)
-            losses = [first_loss, later]
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
-            stacked = tf.concat([tf.reshape(tf.cast(x, tf.float32), [-1]) for x in losses], 0,
-                                name="losses")
-    return Unrolled(train_op=train_op, losses=stacked, steps=steps,
-                    var_list=tuple(step.var_list), name=label)
+            outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
+                                      name="losses" if key == "loss" else key)
+                       for key in first}
+    return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
+                    var_list=tuple(step.var_list), name=label, records=outputs)
 
 
 class _Step:
     """Builds one inner step: forward, gradients, transform, apply, in that order."""
 
-    def __init__(self, loss_fn, optimizer, var_list, global_step, transform, guard):
+    def __init__(self, loss_fn, optimizer, var_list, global_step, transform, guard, record):
         self.loss_fn, self.optimizer, self.var_list = loss_fn, optimizer, var_list
         self.global_step, self.transform, self.guard = global_step, transform, guard
+        self.record = record
 
     def build(self, k, args, deps):
-        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``: (loss, apply op)."""
+        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
+
+        Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the apply op).
+        """
         self.guard.step = k if isinstance(k, int) else "2..N (the loop body)"
         tape = _tape_for(self.optimizer, self.var_list) if k != 1 else None
         with tf.control_dependencies(deps):
@@ -190,9 +204,13 @@ class _Step:
                 with self.guard.scope("transform"):
                     now = None if self.global_step is None else self.global_step.read_value()
                     grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
-            with self.guard.scope("apply"), tf.control_dependencies([loss]):
+            outputs = {"loss": tf.cast(loss, tf.float32)}
+            if self.record:
+                with self.guard.scope("record"):
+                    outputs.update(_records(self.record, self.optimizer, grads_and_vars))
+            with self.guard.scope("apply"), tf.control_dependencies(list(outputs.values())):
                 apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
-        return loss, apply_op
+        return outputs, apply_op
 
     def state(self):
         """Every variable the steps write: weights, optimizer slots, global step."""
@@ -217,35 +235,67 @@ def _tape_for(optimizer, var_list):
 
 def _chain(step, feed, steps, apply_op, watched, label):
     """Steps 2..N unrolled, each after the previous apply (step 2 after ``apply_op``)."""
-    losses = []
+    outputs = []
     for k in range(2, steps + 1):
         deps = [apply_op] if apply_op is not None else []
         with tf.name_scope(f"step_{k}"):
-            loss, next_apply = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
+            out, next_apply = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
         if apply_op is not None:
             lint.check_step(k, next_apply, apply_op, watched, name=label)
-        losses.append(loss)
+        outputs.append(out)
         apply_op = next_apply
-    return tf.stack(losses), apply_op
+    return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, apply_op
 
 
 def _loop(step, feed, steps, after, watched, label):
     """Steps 2..N as one ``tf.while_loop`` body; the body reads state after the previous apply."""
     bodies = []
 
-    def body(i, losses):
+    def body(i, arrays):
         bodies.append(tf.compat.v1.get_default_graph())
-        loss, apply_op = step.build(i + 1, lambda: feed.args(i), deps=[i])
+        out, apply_op = step.build(i + 1, lambda: feed.args(i), deps=[i])
         with tf.control_dependencies([apply_op]):
-            return i + 1, losses.write(i - 1, tf.cast(loss, tf.float32))
+            return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
 
+    keys = ["loss", *step.record]
     with tf.name_scope("loop"), tf.control_dependencies([after] if after is not None else []):
-        i, losses = tf.while_loop(
+        i, arrays = tf.while_loop(
             lambda i, _: i < steps, body,
-            [tf.constant(1), tf.TensorArray(tf.float32, size=steps - 1)],
+            [tf.constant(1), {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
             parallel_iterations=1, maximum_iterations=steps - 1, name="body")
     lint.check_captures(bodies[0], watched, name=label)
-    return losses.stack(), i.op
+    return {key: array.stack() for key, array in arrays.items()}, i.op
+
+
+def _check_record(record, optimizer):
+    if isinstance(record, str):
+        record = (record,)
+    record = tuple(record)
+    for name in record:
+        if name not in RECORDS:
+            raise ValueError(f"record: unknown quantity {name!r}; choose from {RECORDS}.")
+    if "learning_rate" in record and _learning_rate_of(optimizer) is None:
+        raise ValueError(f"record: cannot find the learning rate of "
+                         f"{type(optimizer).__name__} (no _learning_rate or _lr attribute).")
+    return record
+
+
+def _learning_rate_of(optimizer):
+    for attr in ("_learning_rate", "_lr"):
+        if hasattr(optimizer, attr):
+            return getattr(optimizer, attr)
+    return None
+
+
+def _records(record, optimizer, grads_and_vars):
+    """This step's recorded quantities, float32 scalars."""
+    out = {}
+    if "grad_norm" in record:
+        out["grad_norm"] = tf.linalg.global_norm([g for g, _ in grads_and_vars if g is not None])
+    if "learning_rate" in record:
+        lr = _learning_rate_of(optimizer)
+        out["learning_rate"] = tf.cast(lr() if callable(lr) else lr, tf.float32)
+    return out
 
 
 def _check_graph_size(graph, step_bytes, steps, label):

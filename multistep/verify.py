@@ -72,7 +72,7 @@ class Report:
         return "\n".join([self.summary(), f"  {'name':<{width}}  max |Δ|"] + rows)
 
 
-def verify(build_fn, steps, *, runs=4, atol=0.0):
+def verify(build_fn, steps, *, runs=4, atol=0.0, progress=None):
     """Checks that ``steps``-step runs equal single steps, from identical initial values.
 
     Args:
@@ -84,6 +84,7 @@ def verify(build_fn, steps, *, runs=4, atol=0.0):
       steps: inner steps per fused run (>= 1).
       runs: fused runs to compare (>= 1).
       atol: allowed max |Δ|; 0.0 asks for exact equality.
+      progress: optional callable ``(runs done, runs)``, called after each run.
 
     Returns:
       A ``Report``; ``report.ok`` is True when nothing differed by more than ``atol``.
@@ -123,6 +124,8 @@ def verify(build_fn, steps, *, runs=4, atol=0.0):
                 per_variable[name] = max(per_variable[name], diff)
                 if first is None and not diff <= atol:
                     first = (run + 1, name)
+            if progress is not None:
+                progress(run + 1, runs)
         return Report(steps=steps, runs=runs, atol=float(atol), per_variable=per_variable,
                       first_divergence=first, bitwise=bitwise,
                       fused_losses=np.concatenate(fused_losses),

@@ -1,0 +1,158 @@
+"""TensorBoard output, read back through TensorBoard itself: its event loader and its server."""
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard import program
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import multistep as ms
+from multistep import cli
+
+V1 = tf.compat.v1
+STEPS, RUNS = 3, 4
+
+
+@pytest.fixture(scope="module")
+def blobs_logdir(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("tb")
+    assert cli.main(["blobs", "--steps", str(STEPS), "--runs", str(RUNS), "--logdir", str(logdir),
+                     "--quiet"]) == 0
+    return logdir
+
+
+def load(run_dir):
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return accumulator
+
+
+def test_each_run_has_a_loss_point_per_inner_step(blobs_logdir):
+    fused = load(blobs_logdir / f"fused_{STEPS}").Scalars("loss")
+    single = load(blobs_logdir / "single").Scalars("loss")
+    assert [e.step for e in fused] == list(range(1, STEPS * RUNS + 1))
+    assert [e.step for e in single] == list(range(1, STEPS * RUNS + 1))
+    assert [e.value for e in fused] == [e.value for e in single]
+    assert fused[-1].value < fused[0].value
+
+
+def test_graph_holds_the_step_scopes_and_the_control_edges_between_them(blobs_logdir):
+    graph_def = load(blobs_logdir / f"fused_{STEPS}").Graph()
+    names = {node.name for node in graph_def.node}
+    for k in range(1, STEPS + 1):
+        for part in ("forward", "apply"):
+            assert any(n.startswith(f"multistep/step_{k}/{part}/") for n in names), (k, part)
+    for k in range(2, STEPS + 1):
+        # An op of step k waits on step k-1's apply: a control input (^name) into step k.
+        assert any(i.startswith(f"^multistep/step_{k - 1}/apply/") and
+                   f"multistep/step_{k}/" in node.name
+                   for node in graph_def.node for i in node.input), k
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def test_tensorboard_server_serves_the_runs_scalars_and_graph(blobs_logdir):
+    board = program.TensorBoard()
+    board.configure(argv=[None, "--logdir", str(blobs_logdir), "--host", "127.0.0.1",
+                          "--port", str(free_port()), "--load_fast", "false", "--reload_interval", "1"])
+    server = board._make_server()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        deadline = time.time() + 60
+        while True:
+            runs = json.loads(get(base + "/data/runs"))
+            tags = json.loads(get(base + "/data/plugin/scalars/tags"))
+            if (sorted(runs) == ["fused_3", "single"]
+                    and all("loss" in tags.get(r, {}) for r in runs)) or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert sorted(runs) == ["fused_3", "single"]
+        curves = {}
+        for run in runs:
+            points = json.loads(get(f"{base}/data/plugin/scalars/scalars?run={run}&tag=loss"))
+            assert [step for _, step, _ in points] == list(range(1, STEPS * RUNS + 1))
+            curves[run] = [value for _, _, value in points]
+        assert curves["fused_3"] == curves["single"]
+        graph = get(f"{base}/data/plugin/graphs/graph?run=fused_3")
+        assert 'name: "multistep/step_3/apply/GradientDescent"' in graph
+        assert re.search(r'input: "\^multistep/step_2/apply/GradientDescent"', graph)
+        print("runs:", sorted(runs), "tags:", {r: sorted(t) for r, t in tags.items()})
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_graph_command_lists_steps_and_cross_step_edges(capsys, tmp_path):
+    assert cli.main(["graph", "--steps", "3", "--logdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^(step_\d+): \d+ ops", out, re.M) == ["step_1", "step_2", "step_3"]
+    assert re.findall(r"^  (step_\d+ -> step_\d+): \d+ control inputs?$", out, re.M) == [
+        "step_1 -> step_2", "step_2 -> step_3"]
+    assert "reads dense/kernel: forward/MatMul/ReadVariableOp" in out
+    assert list(tmp_path.iterdir())
+
+
+def test_graph_command_in_loop_mode_shows_one_body(capsys, tmp_path):
+    assert cli.main(["graph", "--steps", "50", "--mode", "while_loop", "--logdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^(step_\d+|loop): \d+ ops", out, re.M) == ["step_1", "loop"]
+    assert "step_1 -> loop" in out
+
+
+def test_records_give_grad_norm_and_learning_rate_per_step():
+    x = np.array([[1.0, 2.0], [3.0, -1.0]], np.float32)
+    t = np.array([1.0, 0.0], np.float32)
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", [2], initializer=V1.zeros_initializer())
+        gs = V1.train.get_or_create_global_step()
+        opt = V1.train.GradientDescentOptimizer(lambda: V1.train.exponential_decay(0.1, gs, 1, 0.5))
+        fused = ms.unroll(lambda: tf.reduce_mean(tf.square(tf.linalg.matvec(x, w) - t)), opt, 4,
+                          global_step=gs, record=["grad_norm", "learning_rate"], mode="while_loop")
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            _, norms, rates = sess.run([fused.train_op, fused.records["grad_norm"],
+                                        fused.records["learning_rate"]])
+    np.testing.assert_allclose(rates, [0.1, 0.05, 0.025, 0.0125], rtol=1e-6)
+    w_np, want = np.zeros(2), []
+    for lr in [0.1, 0.05, 0.025, 0.0125]:
+        g = 2 / len(x) * x.T @ (x @ w_np - t)
+        want.append(np.linalg.norm(g))
+        w_np = w_np - lr * g
+    np.testing.assert_allclose(norms, want, rtol=1e-5)
+
+
+def test_bad_record_name():
+    with tf.Graph().as_default():
+        w = tf.Variable(1.0)
+        with pytest.raises(ValueError, match="record: unknown quantity 'lr'"):
+            ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.1), 2, record=["lr"])
+
+
+def test_write_steps_places_points_at_their_global_steps(tmp_path):
+    with tf.Graph().as_default():
+        writer = V1.summary.FileWriter(str(tmp_path))
+    ms.summaries.write_steps(writer, 7, {"loss": [3.0, 2.0], "grad_norm": [1.5, 0.5]})
+    writer.close()
+    accumulator = load(tmp_path)
+    assert [(e.step, e.value) for e in accumulator.Scalars("loss")] == [(7, 3.0), (8, 2.0)]
+    assert [(e.step, e.value) for e in accumulator.Scalars("grad_norm")] == [(7, 1.5), (8, 0.5)]
