@@ -19,8 +19,8 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["StaleForwardError", "check_captures", "check_step", "warn_stateful_random",
-           "watched_variables"]
+__all__ = ["StaleForwardError", "check_captures", "check_step", "warn_random_under_xla",
+           "warn_stateful_random", "watched_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
@@ -128,6 +128,22 @@ def check_captures(func_graph, watched, *, name):
         if stale[tensor.op]:
             raise StaleForwardError(_stale_message("2..N", tensor.op, *stale[tensor.op],
                                                    name=name, loop=True))
+
+
+def warn_random_under_xla(func_graph, *, name):
+    """Warn when an XLA-compiled program draws random numbers: XLA's stateless random
+    kernels draw other numbers than TensorFlow's, so single steps cannot match."""
+    graph_def = func_graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    found = sorted({n.op for n in nodes if n.op.startswith("StatelessRandom")
+                    or n.op.startswith("StatelessTruncated")})
+    if found:
+        warnings.warn(
+            f"{name}: the XLA-compiled steps draw random numbers ({', '.join(found)}); XLA's "
+            f"kernels draw different numbers than TensorFlow's for the same seed, so these "
+            f"steps will not match single steps without XLA (ms.verify will report it). "
+            f"The draws are still a deterministic function of the seed and the step.",
+            RuntimeWarning, stacklevel=3)
 
 
 def _stale_message(step, used, var, read_op, *, name, loop=False):

@@ -16,12 +16,14 @@ build time: a step that reads trained state outside its dependencies raises
 import contextlib
 import dataclasses
 import numbers
+import re
 
 import tensorflow as tf
 
 from multistep import lint, transforms
 
-__all__ = ["GraphTooLargeError", "MODES", "RECORDS", "Unrolled", "unroll"]
+__all__ = ["GraphTooLargeError", "InputExhaustedError", "MODES", "NONFINITE", "RECORDS", "Unrolled",
+           "unroll"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,9 @@ class Unrolled:
       steps: N.
       var_list: the variables trained, in order.
       name: the name scope holding ``step_1`` ... ``step_N``.
+      global_step: the global step variable, or None.
+      skipped_steps: with ``nonfinite="skip"``, an int64 variable counting the
+        steps skipped for non-finite values; else None.
     """
 
     train_op: tf.Operation
@@ -46,9 +51,41 @@ class Unrolled:
     var_list: tuple
     name: str
     records: dict = dataclasses.field(default_factory=dict)
+    global_step: object = None
+    skipped_steps: object = None
+
+    def run(self, session, feed_dict=None):
+        """Runs the N steps once; returns their losses (numpy ``[N]``).
+
+        If a ``tf.data`` input runs out in the middle of the run, the steps
+        before stay applied and ``InputExhaustedError`` says how many.
+        """
+        try:
+            return session.run(self.losses, feed_dict)
+        except tf.errors.OutOfRangeError as error:
+            raise InputExhaustedError(self._exhausted_message(session, error), error) from error
+
+    def _exhausted_message(self, session, error):
+        where = re.search(rf"{re.escape(self.name)}/step_(\d+)/", getattr(error.op, "name", "") or "")
+        if where:
+            done = f"the first {int(where.group(1)) - 1} of its {self.steps} steps were applied"
+        else:
+            done = "the steps before the missing batch were applied"
+        if self.global_step is not None:
+            done += f"; the global step is now {session.run(self.global_step)}"
+        return (f"{self.name}: the input ran out during a run: {done}. Re-initialise or "
+                f"repeat the dataset, or make it a multiple of {self.steps} batches long.")
+
+
+class InputExhaustedError(tf.errors.OutOfRangeError):
+    """A ``tf.data`` input ran out in the middle of a fused run."""
+
+    def __init__(self, message, error):
+        super().__init__(error.node_def, error.op, message)
 
 
 MODES = ("unrolled", "while_loop")
+NONFINITE = ("raise", "skip", "ignore")
 RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
@@ -58,7 +95,8 @@ class GraphTooLargeError(ValueError):
 
 
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
-           global_step=None, mode="unrolled", xla=False, record=(), name="multistep"):
+           global_step=None, mode="unrolled", xla=False, record=(), nonfinite="raise",
+           name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -93,6 +131,12 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         that are applied, after the transforms) and ``"learning_rate"`` (the
         optimizer's learning rate at that step; read from its ``_learning_rate``
         or ``_lr`` attribute, as the stock optimizers keep it).
+      nonfinite: what a step whose loss or (processed) gradients are not finite
+        does. ``"raise"``: the run stops there with an error naming the step and
+        the variables; that step is not applied, earlier steps stay applied.
+        ``"skip"``: that step changes no weight and no slot, the global step
+        still advances, and ``Unrolled.skipped_steps`` counts it (resource
+        variables only). ``"ignore"``: apply it anyway.
       name: name scope; steps appear as
         ``name/step_k/{forward,gradients,transform,apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
@@ -122,12 +166,16 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
         raise TypeError(f"xla must be True or False, got {xla!r}.")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}.")
     step = _Step(loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
                  _check_transforms(grad_transforms), _CreationGuard(tf.compat.v1.get_default_graph()),
-                 _check_record(record, optimizer))
+                 _check_record(record, optimizer), nonfinite)
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
-        label = scope.rstrip("/")
+        label = step.label = scope.rstrip("/")
+        if nonfinite == "skip":
+            step.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
         feed = _Inputs(inputs, steps, xla=xla)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
@@ -137,7 +185,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         watched = lint.watched_variables(step.state())
         lint.warn_stateful_random(apply_op, name=label)
         if mode == "while_loop" and steps > 1:
-            _check_resource_variables(step.state())
+            _check_resource_variables(step.state(), "mode='while_loop'")
         if mode == "unrolled" and steps > 1:
             _check_graph_size(graph, step_bytes, steps, label)
 
@@ -155,6 +203,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             with tf.control_dependencies([apply_op]):
                 later = program()
             lint.check_captures(program.get_concrete_function().graph, watched, name=label)
+            lint.warn_random_under_xla(program.get_concrete_function().graph, name=label)
             last = next(iter(later.values())).op
         else:
             later, last = rest(apply_op)
@@ -164,16 +213,24 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                                       name="losses" if key == "loss" else key)
                        for key in first}
     return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
-                    var_list=tuple(step.var_list), name=label, records=outputs)
+                    var_list=tuple(step.var_list), name=label, records=outputs,
+                    global_step=step.global_step, skipped_steps=step.skipped)
 
 
+@dataclasses.dataclass
 class _Step:
-    """Builds one inner step: forward, gradients, transform, apply, in that order."""
+    """Builds one inner step: forward, gradients, transform, checks, apply, in that order."""
 
-    def __init__(self, loss_fn, optimizer, var_list, global_step, transform, guard, record):
-        self.loss_fn, self.optimizer, self.var_list = loss_fn, optimizer, var_list
-        self.global_step, self.transform, self.guard = global_step, transform, guard
-        self.record = record
+    loss_fn: object
+    optimizer: object
+    var_list: tuple
+    global_step: object
+    transform: object
+    guard: object
+    record: tuple
+    nonfinite: str
+    label: str = "multistep"
+    skipped: object = None
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -208,14 +265,57 @@ class _Step:
             if self.record:
                 with self.guard.scope("record"):
                     outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-            with self.guard.scope("apply"), tf.control_dependencies(list(outputs.values())):
-                apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
+            if self.nonfinite == "raise":
+                with self.guard.scope("check"):
+                    loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
+            elif self.nonfinite == "skip":
+                with self.guard.scope("check"):
+                    finite = _all_finite([loss] + [g for g, _ in grads_and_vars])
+            with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
+                if self.nonfinite == "skip":
+                    apply_op = self._apply_if(finite, grads_and_vars)
+                else:
+                    apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
         return outputs, apply_op
 
+    def _checked(self, k, loss, grads_and_vars):
+        """The loss and gradients through CheckNumerics: a non-finite value stops the run
+        before this step's apply, with a message naming the step and the variable."""
+        step = f"inner step {k}" if isinstance(k, int) else "an inner step in 2..N (the loop body)"
+
+        def check(x, what):
+            message = (f"{self.label}: {step} has a non-finite {what}; that step was not "
+                       f"applied, the steps before it were (nonfinite='skip' skips such steps)")
+            if isinstance(x, tf.IndexedSlices):
+                return tf.IndexedSlices(tf.debugging.check_numerics(x.values, message),
+                                        x.indices, x.dense_shape)
+            return tf.debugging.check_numerics(x, message)
+
+        return check(loss, "loss"), [(None if g is None else check(g, f"gradient for {v.op.name!r}"), v)
+                                     for g, v in grads_and_vars]
+
+    def _apply_if(self, finite, grads_and_vars):
+        """Apply when ``finite``; else only advance the global step and count the skip."""
+        _check_resource_variables([v for _, v in grads_and_vars] + (
+            [self.global_step] if self.global_step is not None else []), "nonfinite='skip'")
+        def apply():
+            with tf.control_dependencies([self.optimizer.apply_gradients(
+                    grads_and_vars, global_step=self.global_step)]):
+                return tf.constant(True)
+
+        def skip():
+            updates = [self.skipped.assign_add(1)]
+            if self.global_step is not None:
+                updates.append(self.global_step.assign_add(1))
+            with tf.control_dependencies(updates):
+                return tf.constant(False)
+
+        return tf.cond(finite, apply, skip).op
+
     def state(self):
-        """Every variable the steps write: weights, optimizer slots, global step."""
+        """Every variable the steps write: weights, optimizer slots, global step, skip counter."""
         state = list(self.var_list) + self.optimizer.variables()
-        return state + ([self.global_step] if self.global_step is not None else [])
+        return state + [v for v in (self.global_step, self.skipped) if v is not None]
 
 
 def _tape_for(optimizer, var_list):
@@ -298,6 +398,11 @@ def _records(record, optimizer, grads_and_vars):
     return out
 
 
+def _all_finite(tensors):
+    values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+
 def _check_graph_size(graph, step_bytes, steps, label):
     now = sum(op.node_def.ByteSize() for op in graph.get_operations())
     estimate = now + (steps - 1) * step_bytes
@@ -309,14 +414,14 @@ def _check_graph_size(graph, step_bytes, steps, label):
             f"N, or feed large constants through placeholders instead of embedding them.")
 
 
-def _check_resource_variables(variables):
+def _check_resource_variables(variables, what):
     ref = [v.op.name for v in variables if v.op.type != "VarHandleOp"]
     if ref:
         raise TypeError(
-            f"mode='while_loop' needs resource variables, but {', '.join(map(repr, ref))} "
+            f"{what} needs resource variables, but {', '.join(map(repr, ref))} "
             f"{'is a ref variable' if len(ref) == 1 else 'are ref variables'} "
-            f"(use_resource=False), which a tf.while_loop body cannot capture. Create them "
-            f"with use_resource=True (the TF2 default) or use mode='unrolled'.")
+            f"(use_resource=False), which a tf.while_loop or tf.cond body cannot capture. "
+            f"Create them with use_resource=True (the TF2 default).")
 
 
 class _CreationGuard:

@@ -213,7 +213,8 @@ def _max_abs_diff(a, b):
         return 0.0
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
-    diff = np.where(same, 0.0, np.abs(a64 - b64))
+    with np.errstate(invalid="ignore"):  # inf - inf where only one side is inf
+        diff = np.where(same, 0.0, np.abs(a64 - b64))
     return float(np.nan_to_num(diff, nan=np.inf).max())
 
 

@@ -206,3 +206,11 @@ def test_unrolled_graph_over_the_limit_is_refused_before_building():
         assert not [op for op in graph.get_operations() if "step_2/" in op.name]
     with tf.Graph().as_default():
         ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3000, mode="while_loop")
+
+
+def test_xla_with_random_noise_warns_that_single_steps_cannot_match():
+    with tf.Graph().as_default():
+        with pytest.warns(RuntimeWarning, match="XLA's kernels draw different numbers"):
+            ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(0.1), 3, xla=True,
+                      grad_transforms=[ms.add_noise(0.1, seed=0)],
+                      global_step=V1.train.get_or_create_global_step())

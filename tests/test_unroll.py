@@ -221,7 +221,7 @@ def test_graph_folds_into_named_step_scopes():
         scopes = {op.name.split("/")[1] + "/" + op.name.split("/")[2]
                   for op in graph.get_operations() if op.name.startswith("fit/step_")}
     assert scopes == {f"step_{k}/{part}" for k in (1, 2, 3)
-                      for part in ("forward", "gradients", "apply")}
+                      for part in ("forward", "gradients", "check", "apply")}
 
 
 def test_losses_alone_runs_the_steps_once():
