@@ -24,3 +24,13 @@ def test_readme_python_blocks_run(capsys):
     assert "inner step 2 uses 'MatMul' (MatMul)" in out
     assert "(bitwise equal)" in out
     assert namespace["report"].ok
+
+
+def test_every_error_in_the_table_names_an_existing_test():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("## Errors", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", table)
+    assert len(rows) >= 40
+    for path, name in rows:
+        with open(os.path.join(ROOT, path)) as f:
+            assert re.search(rf"^def {name}\(", f.read(), re.M), f"{path}::{name}"
