@@ -9,8 +9,8 @@ from multistep.unroll import GraphTooLargeError, InputExhaustedError, Unrolled, 
 from multistep.verify import Report, verify
 
 __all__ = [
-    "GraphTooLargeError", "InputExhaustedError", "Report", "RuleOptimizer", "StaleForwardError", "Unrolled", "add_noise", "chain",
-    "clip_by_global_norm", "clip_by_norm", "clip_by_value", "dedupe_sparse", "rules", "scale", "summaries",
-    "unroll", "verify",
+    "GraphTooLargeError", "InputExhaustedError", "Report", "RuleOptimizer", "StaleForwardError",
+    "Unrolled", "add_noise", "chain", "clip_by_global_norm", "clip_by_norm", "clip_by_value",
+    "dedupe_sparse", "rules", "scale", "summaries", "unroll", "verify",
 ]
 __version__ = "0.1.0"

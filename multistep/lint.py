@@ -17,8 +17,6 @@ How a "read" looks in a graph:
 
 import warnings
 
-import tensorflow as tf
-
 __all__ = ["StaleForwardError", "check_captures", "check_step", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables"]
 

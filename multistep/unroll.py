@@ -298,6 +298,7 @@ class _Step:
         """Apply when ``finite``; else only advance the global step and count the skip."""
         _check_resource_variables([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []), "nonfinite='skip'")
+
         def apply():
             with tf.control_dependencies([self.optimizer.apply_gradients(
                     grads_and_vars, global_step=self.global_step)]):
