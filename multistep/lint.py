@@ -57,15 +57,16 @@ def _preds(op):
     return [t.op for t in op.inputs] + list(op.control_inputs)
 
 
-def _ancestors_postorder(root, stop=None):
-    """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` is not expanded."""
+def _ancestors_postorder(root, stop=None, known=()):
+    """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` is not
+    expanded, and ops in ``known`` (already visited by an earlier walk) are left out."""
     order, seen, stack = [], set(), [(root, False)]
     while stack:
         op, expanded = stack.pop()
         if expanded:
             order.append(op)
             continue
-        if op in seen:
+        if op in seen or op in known:
             continue
         seen.add(op)
         stack.append((op, True))
@@ -117,9 +118,7 @@ def check_captures(func_graph, watched, *, name):
     for tensor in func_graph.external_captures:
         if _source_op(tensor) in watched:
             continue  # a variable handle (or its ref): read inside the body
-        for op in _ancestors_postorder(tensor.op):
-            if op in stale:
-                continue
+        for op in _ancestors_postorder(tensor.op, known=stale):  # shared ancestry: walked once
             var = _read_of(op, watched)
             stale[op] = (var, op) if var is not None else next(
                 (stale[p] for p in _preds(op) if stale.get(p)), None)

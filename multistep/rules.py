@@ -19,6 +19,8 @@ import numbers
 
 import tensorflow as tf
 
+from multistep import transforms
+
 __all__ = ["RuleOptimizer", "compact_sgd", "momentum", "sgd"]
 
 
@@ -85,8 +87,8 @@ class RuleOptimizer(tf.compat.v1.train.Optimizer):
     def _update(self, grad, var, lr, step):
         slots = {name: self.get_slot(var, name) for name in self._slot_init}
         if isinstance(grad, tf.IndexedSlices):
-            unique, positions = tf.unique(grad.indices)
-            rows = tf.math.unsorted_segment_sum(grad.values, positions, tf.shape(unique)[0])
+            summed = transforms.sum_duplicates(grad)
+            unique, rows = summed.indices, summed.values
             values = {name: tf.gather(slot, unique) for name, slot in slots.items()}
             new_var, new_slots = self._call_rule(var, tf.gather(var, unique), rows, lr, values, step)
             writes = [lambda: _scatter(var, unique, new_var)]

@@ -110,8 +110,7 @@ def graph_summary(graph, name="multistep"):
             source = scope_of.get(control)
             if source is not None and source != scope:
                 edges[(source, scope)] += 1
-    order = sorted(steps, key=lambda s: (s == "loop", int(s.split("_")[1]) if "_" in s else 0))
-    return [steps[s] for s in order], dict(edges)
+    return [steps[s] for s in sorted(steps, key=_order)], dict(edges)
 
 
 def format_graph_summary(steps, edges):
@@ -140,4 +139,5 @@ def _part(op_name):
 
 
 def _order(scope):
+    """Sort key: step_1, step_2, ..., then loop."""
     return (scope == "loop", int(scope.split("_")[1]) if "_" in scope else 0)

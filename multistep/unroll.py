@@ -202,8 +202,9 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             program = tf.function(lambda: rest(None)[0], jit_compile=True, autograph=False)
             with tf.control_dependencies([apply_op]):
                 later = program()
-            lint.check_captures(program.get_concrete_function().graph, watched, name=label)
-            lint.warn_random_under_xla(program.get_concrete_function().graph, name=label)
+            program_graph = program.get_concrete_function().graph
+            lint.check_captures(program_graph, watched, name=label)
+            lint.warn_random_under_xla(program_graph, name=label)
             last = next(iter(later.values())).op
         else:
             later, last = rest(apply_op)
