@@ -1,16 +1,52 @@
-"""multistep: N real descent steps in one ``sess.run``, identical to N single steps."""
+"""multistep: N real descent steps in one ``sess.run``, identical to N single steps.
 
-from multistep import rules, summaries
-from multistep.lint import StaleForwardError
-from multistep.rules import RuleOptimizer
-from multistep.transforms import (add_noise, chain, clip_by_global_norm, clip_by_norm,
-                                  clip_by_value, dedupe_sparse, scale)
-from multistep.unroll import GraphTooLargeError, InputExhaustedError, Unrolled, unroll
-from multistep.verify import Report, verify
+The public names load on first use (PEP 562), so ``import multistep`` and the
+command line's ``--help`` do not import TensorFlow; ``ms.unroll`` and the rest
+import it when first touched.
+"""
 
-__all__ = [
-    "GraphTooLargeError", "InputExhaustedError", "Report", "RuleOptimizer", "StaleForwardError",
-    "Unrolled", "add_noise", "chain", "clip_by_global_norm", "clip_by_norm", "clip_by_value",
-    "dedupe_sparse", "rules", "scale", "summaries", "unroll", "verify",
-]
+import importlib
+import sys
+import types
+
+# Public name -> the submodule that defines it (a submodule itself maps to None).
+_NAMES = {
+    "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
+    "unroll": "unroll",
+    "Report": "verify", "verify": "verify",
+    "RuleOptimizer": "rules",
+    "StaleForwardError": "lint",
+    "add_noise": "transforms", "chain": "transforms", "clip_by_global_norm": "transforms",
+    "clip_by_norm": "transforms", "clip_by_value": "transforms", "dedupe_sparse": "transforms",
+    "scale": "transforms",
+    "rules": None, "summaries": None,
+}
+__all__ = sorted(_NAMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'multistep' has no attribute {name!r}")
+    module = importlib.import_module(f"multistep.{_NAMES[name] or name}")
+    value = module if _NAMES[name] is None else getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))
+
+
+class _Package(types.ModuleType):
+    """The import system binds each submodule as an attribute of its package once it has
+    loaded; where a public function shares its submodule's name (``unroll``, ``verify``),
+    the function keeps the name, as ``from multistep.unroll import unroll`` left it."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _NAMES.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

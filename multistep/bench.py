@@ -13,13 +13,13 @@ Problems:
 
 import csv
 import dataclasses
-import resource
 import statistics
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from multistep.choices import BENCH_PROBLEMS
 from multistep.unroll import unroll
 
 __all__ = ["METHODS", "PROBLEMS", "Result", "graph_costs", "graph_table", "plot", "run", "table",
@@ -49,7 +49,7 @@ def _problems():
             "mlp": Problem("mlp", mlp_x, mlp_y, (256, 256, 2), keras_steps=200)}
 
 
-PROBLEMS = ("blobs", "mlp")
+PROBLEMS = BENCH_PROBLEMS
 
 
 def _initial_values(problem):
@@ -160,17 +160,27 @@ def _keras_method(problem, steps, timing):
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), steps_per_execution=steps,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
-    # fit() has a fixed cost per call (callbacks, iterator); time 2k minus k steps to leave it out.
-    k = steps * max(2, min(problem.keras_steps, timing.keras_steps) // steps)
-    model.fit(data, steps_per_epoch=k, epochs=1, verbose=0)
+    # fit() calls on_train_batch_end once per execution of N steps. The time between two
+    # such calls is one execution, with fit()'s fixed start-up and tear-down left out;
+    # the first execution of a fit (tracing, iterator start) is dropped.
+    executions = max(3, min(problem.keras_steps, timing.keras_steps) // steps)
+
+    class Clock(keras.callbacks.Callback):
+        ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
+              shuffle=False, callbacks=[clock])
     samples = []
     for _ in range(timing.repeats):
-        durations = []
-        for n in (k, 2 * k):
-            start = time.perf_counter()
-            model.fit(data, steps_per_epoch=n, epochs=1, verbose=0)
-            durations.append(time.perf_counter() - start)
-        samples.append((durations[1] - durations[0]) / k * 1e6)
+        clock.ends.clear()
+        model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
+              shuffle=False, callbacks=[clock])
+        gaps = np.diff(clock.ends)[1:]
+        samples.append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
     return samples
 
 
@@ -199,6 +209,11 @@ class Result:
     high_us: float
     note: str = ""
 
+    @property
+    def reliable(self):
+        """A positive median whose spread (the interquartile range) is smaller than itself."""
+        return self.median_us > 0 and self.high_us - self.low_us < self.median_us
+
 
 def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05, keras_steps=4000):
     """One (problem, method, N): per-step times in µs, median and spread."""
@@ -211,7 +226,13 @@ def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05, keras_s
 
 
 def graph_costs(problem, mode, steps):
-    """Build time (s), node count (with function bodies) and peak allocator bytes of one run."""
+    """Build time (s), node count (with function bodies) and peak memory of one run.
+
+    ``peak_bytes``: the most bytes that the run's tensors held at once, from the
+    allocation records of a fully traced run (every allocation and release, summed
+    in time order; variables allocated before the run are not counted). None if
+    the allocator kept no records.
+    """
     with tf.Graph().as_default() as graph:
         start = time.perf_counter()
         unrolled = unroll(_graph_loss_fn(_problems()[problem]), V1.train.AdamOptimizer(LEARNING_RATE),
@@ -225,10 +246,20 @@ def graph_costs(problem, mode, steps):
             metadata = V1.RunMetadata()
             sess.run(unrolled.train_op, options=V1.RunOptions(trace_level=V1.RunOptions.FULL_TRACE),
                      run_metadata=metadata)
-    peak = max((m.allocator_bytes_in_use for d in metadata.step_stats.dev_stats
-                for n in d.node_stats for m in n.memory), default=0)
     return {"problem": problem, "mode": mode, "steps": steps, "build_s": build_s, "nodes": nodes,
-            "peak_bytes": peak, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_bytes": _peak_bytes(metadata.step_stats)}
+
+
+def _peak_bytes(step_stats):
+    records = sorted((r.alloc_micros, r.alloc_bytes) for d in step_stats.dev_stats
+                     for n in d.node_stats for m in n.memory for r in m.allocation_records)
+    if not records:
+        return None
+    live = peak = 0
+    for _, change in records:
+        live += change
+        peak = max(peak, live)
+    return peak
 
 
 def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, keras_steps=4000,
@@ -245,17 +276,27 @@ def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, keras_st
 
 
 def table(results):
-    """The results as text: µs per step, spread, and speed-up over N x sess.run."""
-    base = {(r.problem, r.steps): r.median_us for r in results if r.method == BASELINE}
+    """The results as text: µs per step, spread, and speed-up over N x sess.run.
+
+    A figure whose spread is as large as itself is marked unreliable and given
+    no ratio; nor is a ratio against an unreliable baseline.
+    """
+    base = {(r.problem, r.steps): r for r in results if r.method == BASELINE}
     lines = [f"{'problem':<7} {'N':>5}  {'method':<16} {'µs/step':>9} {'spread (IQR)':>17} "
              f"{'speed-up vs sess.run x N':>25}"]
     for r in results:
         if np.isnan(r.median_us):
             lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {'—':>9} {'':>17} {r.note:>25}")
             continue
-        ratio = base.get((r.problem, r.steps), float("nan")) / r.median_us
+        reference = base.get((r.problem, r.steps))
+        if not r.reliable:
+            ratio = "unreliable: spread > value"
+        elif reference is None or not reference.reliable:
+            ratio = "— (baseline unreliable)" if reference is not None else "—"
+        else:
+            ratio = f"{reference.median_us / r.median_us:.2f}x"
         lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {r.median_us:>9.2f} "
-                     f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} {ratio:>24.2f}x")
+                     f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} {ratio:>25}")
     return "\n".join(lines)
 
 
@@ -266,9 +307,11 @@ def graph_table(costs):
              f"{'peak KiB':>9} {'peak / first N':>14}"]
     for c in costs:
         base = first.setdefault((c["problem"], c["mode"]), c)
-        ratio = f"{c['peak_bytes'] / base['peak_bytes']:.2f}x" if base["peak_bytes"] else "—"
+        peak = "—" if c["peak_bytes"] is None else f"{c['peak_bytes'] / 2**10:.1f}"
+        ratio = (f"{c['peak_bytes'] / base['peak_bytes']:.2f}x"
+                 if c["peak_bytes"] and base["peak_bytes"] else "—")
         lines.append(f"{c['problem']:<7} {c['mode']:<10} {c['steps']:>5} {c['build_s']:>8.2f} "
-                     f"{c['nodes']:>7} {c['peak_bytes'] / 2**10:>9.0f} {ratio:>14}")
+                     f"{c['nodes']:>7} {peak:>9} {ratio:>14}")
     return "\n".join(lines)
 
 

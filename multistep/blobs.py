@@ -8,31 +8,18 @@ import tensorflow as tf
 from sklearn.datasets import make_blobs
 
 from multistep import rules
+from multistep.choices import OPTIMIZERS
 from multistep.unroll import unroll
 
 __all__ = ["OPTIMIZERS", "build", "data", "make_optimizer", "predict"]
-
-_V1 = tf.compat.v1.train
-OPTIMIZERS = {
-    "sgd": lambda lr: _V1.GradientDescentOptimizer(lr),
-    "momentum": lambda lr: _V1.MomentumOptimizer(lr, 0.9),
-    "nesterov": lambda lr: _V1.MomentumOptimizer(lr, 0.9, use_nesterov=True),
-    "adam": lambda lr: _V1.AdamOptimizer(lr),
-    "rmsprop": lambda lr: _V1.RMSPropOptimizer(lr),
-    "rmsprop-centered": lambda lr: _V1.RMSPropOptimizer(lr, centered=True),
-    "adagrad": lambda lr: _V1.AdagradOptimizer(lr),
-    "adadelta": lambda lr: _V1.AdadeltaOptimizer(lr),
-    "ftrl": lambda lr: _V1.FtrlOptimizer(lr),
-    "proximal-adagrad": lambda lr: _V1.ProximalAdagradOptimizer(lr),
-    "proximal-sgd": lambda lr: _V1.ProximalGradientDescentOptimizer(lr),
-}
 
 
 def make_optimizer(name, learning_rate):
     """A stock ``tf.compat.v1.train`` optimizer by its short name (see ``OPTIMIZERS``)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}.")
-    return OPTIMIZERS[name](learning_rate)
+    cls, options = OPTIMIZERS[name]
+    return getattr(tf.compat.v1.train, cls)(learning_rate, **options)
 
 
 def data(seed=0, n_samples=50):

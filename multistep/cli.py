@@ -1,30 +1,86 @@
 """The ``multistep`` command line."""
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import os
+import re
 import sys
+import tempfile
+import traceback
+
+from multistep.choices import BENCH_METHODS, BENCH_PROBLEMS, MODES, OPTIMIZERS
 
 __all__ = ["main"]
 
 
 def main(argv=None):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and usage errors end here, before TensorFlow loads
     if args.command is None:
         parser.print_help()
         return 2
-    import tensorflow as tf
-
-    tf.get_logger().setLevel("ERROR")  # v1 deprecation notices are not ours to print
+    _load_tensorflow()
     return args.func(args)
 
 
-def _parser():
-    from multistep.blobs import OPTIMIZERS
+# TensorFlow's start-up lines on a machine with no GPU: absl's info and warning lines
+# printed before TF_CPP_MIN_LOG_LEVEL takes effect, and cuInit failing for want of a driver.
+_STARTUP_NOISE = re.compile(
+    r"^(?:[IW]\d{4} .*|WARNING: All log messages before absl::InitializeLog\(\).*"
+    r"|To enable the following instructions:.*|E\d{4} .*failed call to cuInit.*)$")
 
+
+def _load_tensorflow():
+    """Imports TensorFlow, keeping its start-up lines off the terminal.
+
+    Some of those lines are printed by absl before TensorFlow reads
+    ``TF_CPP_MIN_LOG_LEVEL``, so the level alone cannot stop them: file
+    descriptor 2 is sent to a file while TensorFlow loads and finds its
+    devices, and every captured line that is not known start-up noise is
+    passed on. A user who set ``TF_CPP_MIN_LOG_LEVEL`` sees everything.
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        import tensorflow as tf
+    else:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        with _stderr_to_file() as captured:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()  # cuInit happens here
+        sys.stderr.writelines(line for line in captured if not _STARTUP_NOISE.match(line.rstrip("\n")))
+    tf.get_logger().setLevel("ERROR")  # v1 deprecation notices are not ours to print
+
+
+@contextlib.contextmanager
+def _stderr_to_file():
+    """Everything written to file descriptor 2 inside goes to a temporary file; the list
+    yielded holds its lines afterwards. On an exception they are all passed on to
+    stderr before the exception propagates."""
+    sys.stderr.flush()
+    saved, lines = os.dup(2), []
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield lines
+        except BaseException:
+            _restore(saved, file, lines)
+            sys.stderr.writelines(lines)
+            raise
+        else:
+            _restore(saved, file, lines)
+
+
+def _restore(saved, file, lines):
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    file.seek(0)
+    lines.extend(file.read().decode(errors="replace").splitlines(keepends=True))
+
+
+def _parser():
     parser = argparse.ArgumentParser(
         prog="multistep",
         description="N real descent steps in one sess.run, checked against N single steps.")
@@ -56,7 +112,8 @@ def _parser():
     blobs.set_defaults(func=_blobs)
 
     verify = sub.add_parser(
-        "verify", help="check FILE.py:FN's N-step runs against single steps (exit 1 if they differ)")
+        "verify", help="check FILE.py:FN's N-step runs against single steps "
+                       "(exit 1 if they differ, 2 if they could not run)")
     verify.add_argument("target", metavar="FILE.py:FN",
                         help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it")
     verify.add_argument("--steps", type=_positive, default=3)
@@ -69,22 +126,20 @@ def _parser():
     graph.add_argument("target", metavar="FILE.py:FN", nargs="?",
                        help="a build_fn(steps) -> (unrolled, feed_dict); default: the blobs model")
     graph.add_argument("--steps", type=_positive, default=3)
-    graph.add_argument("--mode", choices=["unrolled", "while_loop"], default="unrolled",
+    graph.add_argument("--mode", choices=MODES, default="unrolled",
                        help="for the blobs model (a build_fn picks its own)")
     graph.add_argument("--logdir", default=os.path.join("tensorboard_logs", "graph"),
                        help="default tensorboard_logs/graph")
     graph.set_defaults(func=_graph)
 
-    from multistep.bench import METHODS, PROBLEMS
-
     bench = sub.add_parser(
         "bench", help="per-step time of the modes against N x sess.run and other baselines")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: blobs, N in {1, 10}, few repeats")
-    bench.add_argument("--problems", nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
+    bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS))
     bench.add_argument("--steps", nargs="+", type=_positive, default=[1, 10, 100, 1000],
                        help="values of N (default 1 10 100 1000)")
-    bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS))
     bench.add_argument("--repeats", type=_positive, default=7, help="timed repeats (default 7)")
     bench.add_argument("--cpu", type=int, default=0,
                        help="pin this process to one core (default 0); -1 leaves it unpinned")
@@ -199,7 +254,13 @@ def _verify(args):
     build_fn = _load_target(args.target)
     if build_fn is None:
         return 2
-    report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol)
+    try:
+        report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol)
+    except Exception:  # the model could not be built or run: not a divergence (exit 1)
+        traceback.print_exc()
+        print(f"multistep verify: could not run {args.target} (exit 2; 1 means the runs diverged)",
+              file=sys.stderr)
+        return 2
     print(report)
     return 0 if report.ok else 1
 
@@ -257,7 +318,12 @@ def _load_target(target):
         return None
     spec = importlib.util.spec_from_file_location("_multistep_target", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        traceback.print_exc()
+        print(f"multistep: could not import {path}", file=sys.stderr)
+        return None
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

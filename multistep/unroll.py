@@ -21,6 +21,7 @@ import re
 import tensorflow as tf
 
 from multistep import lint, transforms
+from multistep.choices import MODES
 
 __all__ = ["GraphTooLargeError", "InputExhaustedError", "MODES", "NONFINITE", "RECORDS", "Unrolled",
            "unroll"]
@@ -84,7 +85,6 @@ class InputExhaustedError(tf.errors.OutOfRangeError):
         super().__init__(error.node_def, error.op, message)
 
 
-MODES = ("unrolled", "while_loop")
 NONFINITE = ("raise", "skip", "ignore")
 RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef

@@ -3,10 +3,11 @@ benchmark's to report, not the tests' to check."""
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
-from multistep import bench
+from multistep import bench, choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,11 +25,33 @@ def test_bench_quick_smoke(tmp_path):
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * len(bench.METHODS)
-    assert all(float(r["median_us"]) > 0 for r in rows if r["method"] != "keras spe=N")
+    for r in rows:  # every method, Keras included: a time is positive and its quartiles order
+        assert 0 < float(r["low_us"]) <= float(r["median_us"]) <= float(r["high_us"]), r
+    # Every printed time and quartile is a plain positive number (a "-" sign would not parse).
+    printed = re.findall(r"^blobs +\d+  (.+?) +(\d+\.\d+) +(\d+\.\d+)-(\d+\.\d+) ", out, re.M)
+    assert len(printed) == len(rows) and all(float(x) > 0 for row in printed for x in row[1:])
     with open(tmp_path / "graph.csv") as f:
         costs = list(csv.DictReader(f))
     assert {(c["mode"], c["steps"]) for c in costs} == {(m, n) for m in ("unrolled", "while_loop")
                                                        for n in ("1", "10")}
+    assert all(int(c["peak_bytes"]) > 0 for c in costs)
+
+
+def test_the_command_line_lists_every_method_and_problem():
+    assert tuple(bench.METHODS) == choices.BENCH_METHODS
+    assert bench.PROBLEMS == choices.BENCH_PROBLEMS
+
+
+def test_a_figure_with_a_spread_larger_than_itself_gets_no_ratio():
+    rows = [bench.Result("blobs", 10, "sess.run x N", 10.0, 9.0, 11.0),
+            bench.Result("blobs", 10, "unrolled", 2.0, 1.0, 4.0),      # IQR 3 > 2
+            bench.Result("blobs", 10, "while_loop", 2.0, 1.5, 2.5)]
+    lines = bench.table(rows).splitlines()
+    assert "unreliable" in lines[2] and "x" not in lines[2].split()[-1]
+    assert lines[3].endswith("5.00x")
+    noisy_base = [bench.Result("blobs", 1, "sess.run x N", 10.0, 1.0, 30.0),
+                  bench.Result("blobs", 1, "unrolled", 2.0, 1.9, 2.1)]
+    assert "baseline unreliable" in bench.table(noisy_base).splitlines()[2]
 
 
 def test_loop_mode_node_count_is_flat_and_unrolled_grows():

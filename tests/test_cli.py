@@ -110,3 +110,37 @@ def test_console_script_is_installed():
     assert script, "the `multistep` console script is not installed: pip install -e '.[test]'"
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "blobs" in result.stdout and "verify" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["blobs", "--help"], ["bench", "--help"], ["verify", "--help"]])
+def test_help_does_not_import_tensorflow(args):
+    # --help must answer at once: TensorFlow takes seconds to import and prints start-up lines.
+    code = ("import sys\nfrom multistep import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'tensorflow' not in sys.modules, 'help imported tensorflow'\n")
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: multistep" in result.stdout and result.stderr == ""
+
+
+def test_a_normal_run_keeps_tensorflow_start_up_lines_off_the_terminal(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-m", "multistep", "graph", "--steps", "2", "--logdir",
+                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "step_2" in result.stdout
+    assert result.stderr == ""  # no absl "I0000 ...", cpu_feature_guard or cuInit lines
+    shown = subprocess.run([sys.executable, "-m", "multistep", "graph", "--steps", "2", "--logdir",
+                            str(tmp_path)], cwd=ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"),
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "I0000" in shown.stderr  # the user's own level is obeyed
+
+
+def test_verify_exits_2_when_the_build_fn_raises(tmp_path):
+    model = tmp_path / "broken.py"
+    model.write_text("def build(steps):\n    raise RuntimeError('no model here')\n")
+    result = multistep("verify", f"{model}:build")
+    assert result.returncode == 2, result.stderr
+    assert "could not run" in result.stderr and "RuntimeError: no model here" in result.stderr

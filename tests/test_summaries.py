@@ -1,8 +1,11 @@
 """TensorBoard output, read back through TensorBoard itself: its event loader and its server."""
 
+import contextlib
 import json
+import queue
 import re
-import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -10,7 +13,6 @@ import urllib.request
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard import program
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import multistep as ms
@@ -56,26 +58,46 @@ def test_graph_holds_the_step_scopes_and_the_control_edges_between_them(blobs_lo
                    for node in graph_def.node for i in node.input), k
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url):
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
 
 
-def test_tensorboard_server_serves_the_runs_scalars_and_graph(blobs_logdir):
-    board = program.TensorBoard()
-    board.configure(argv=[None, "--logdir", str(blobs_logdir), "--host", "127.0.0.1",
-                          "--port", str(free_port()), "--load_fast", "false", "--reload_interval", "1"])
-    server = board._make_server()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+@contextlib.contextmanager
+def tensorboard_server(logdir, timeout=120):
+    """The real ``tensorboard`` command in its own process on 127.0.0.1 (port 0: the OS picks
+    a free one), stopped by the test. Its own process, not a thread of pytest's: TensorBoard's
+    reload thread sits in TensorFlow's C++ file reader, and a daemon thread still there when
+    the interpreter exits aborts the whole process ("terminate called after throwing an
+    instance of ...", exit 134) after every test has passed."""
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
+               "127.0.0.1", "--port", "0", "--load_fast", "false", "--reload_interval", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    urls = queue.Queue()
+
+    def watch():  # TensorBoard prints "TensorBoard 2.x at http://127.0.0.1:PORT/" on stderr
+        for line in process.stderr:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
+            if found:
+                urls.put(found.group(1))
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
-        base = f"http://127.0.0.1:{server.server_port}"
+        try:
+            yield urls.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"tensorboard printed no address within {timeout} s") from None
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_tensorboard_server_serves_the_runs_scalars_and_graph(blobs_logdir):
+    with tensorboard_server(blobs_logdir) as base:
         deadline = time.time() + 60
         while True:
             runs = json.loads(get(base + "/data/runs"))
@@ -95,11 +117,6 @@ def test_tensorboard_server_serves_the_runs_scalars_and_graph(blobs_logdir):
         assert 'name: "multistep/step_3/apply/GradientDescent"' in graph
         assert re.search(r'input: "\^multistep/step_2/apply/GradientDescent"', graph)
         print("runs:", sorted(runs), "tags:", {r: sorted(t) for r, t in tags.items()})
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-    assert not thread.is_alive()
 
 
 def test_graph_command_lists_steps_and_cross_step_edges(capsys, tmp_path):

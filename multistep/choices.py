@@ -1,0 +1,29 @@
+"""The choices the command line offers, as plain data.
+
+Kept apart from the modules that act on them so that ``multistep --help``
+can list them without importing TensorFlow.
+"""
+
+__all__ = ["BENCH_METHODS", "BENCH_PROBLEMS", "MODES", "OPTIMIZERS"]
+
+MODES = ("unrolled", "while_loop")
+
+# Short name -> (tf.compat.v1.train class, keyword arguments beside the learning rate).
+OPTIMIZERS = {
+    "sgd": ("GradientDescentOptimizer", {}),
+    "momentum": ("MomentumOptimizer", {"momentum": 0.9}),
+    "nesterov": ("MomentumOptimizer", {"momentum": 0.9, "use_nesterov": True}),
+    "adam": ("AdamOptimizer", {}),
+    "rmsprop": ("RMSPropOptimizer", {}),
+    "rmsprop-centered": ("RMSPropOptimizer", {"centered": True}),
+    "adagrad": ("AdagradOptimizer", {}),
+    "adadelta": ("AdadeltaOptimizer", {}),
+    "ftrl": ("FtrlOptimizer", {}),
+    "proximal-adagrad": ("ProximalAdagradOptimizer", {}),
+    "proximal-sgd": ("ProximalGradientDescentOptimizer", {}),
+}
+
+BENCH_PROBLEMS = ("blobs", "mlp")
+# The methods multistep.bench times, in its order (multistep.bench.METHODS has the code).
+BENCH_METHODS = ("sess.run x N", "unrolled", "unrolled+xla", "while_loop", "while_loop+xla",
+                 "tf.function", "tf.function+jit", "keras spe=N")
