@@ -1,0 +1,256 @@
+"""One inner step: forward, gradients, transform, checks, side effects, apply.
+
+Step k of an N-step run, built inside ``tf.control_dependencies`` on the end of
+step k-1, in this order (each a name scope under ``multistep/step_k``):
+
+    forward      loss_k = loss_fn(*inputs[k]), and its update ops
+    gradients    d loss_k / d var_list (after the update ops, as a single step's
+                 ``control_dependencies(UPDATE_OPS)`` orders them)
+    transform    the gradient transforms
+    record       per-step quantities
+    check        the non-finite policy
+    apply        optimizer.apply_gradients
+    after_apply  the user's per-step ops, after the apply
+
+Step 1 also creates the variables (the model's, the optimizer's slots, the
+after_apply's), with the names a single-step graph gives them.
+"""
+
+import contextlib
+import dataclasses
+
+import tensorflow as tf
+
+from multistep import transforms
+
+__all__ = ["CreationGuard", "Step", "check_resource_variables", "learning_rate_of"]
+
+
+@dataclasses.dataclass
+class Step:
+    """Builds one inner step: forward, gradients, transform, checks, apply, in that order."""
+
+    loss_fn: object
+    optimizer: object
+    var_list: tuple
+    global_step: object
+    transform: object
+    guard: object
+    record: tuple
+    nonfinite: str
+    label: str = "multistep"
+    skipped: object = None
+
+    def build(self, k, args, deps):
+        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
+
+        Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the apply op).
+        """
+        self.guard.step = k if isinstance(k, int) else "2..N (the loop body)"
+        tape = _tape_for(self.optimizer, self.var_list) if k != 1 else None
+        with tf.control_dependencies(deps):
+            with self.guard.scope("forward"), _reuse_variables(k != 1), tape or contextlib.nullcontext():
+                if tape is not None:
+                    tape.watch(self.var_list)
+                loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, self.guard.step)
+            with self.guard.scope("gradients"):
+                if tape is not None:
+                    grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
+                if tape is None or any(g is None for g, _ in grads_and_vars):
+                    # No tape, or the tape missed a variable step 1 had a gradient for: it
+                    # was read outside this step (stale). tf.gradients follows that read,
+                    # so the stale-forward check below can name it.
+                    grads_and_vars = self.optimizer.compute_gradients(
+                        loss, var_list=list(self.var_list) if self.var_list else None)
+                if self.var_list is None:
+                    grads_and_vars = _trained_pairs(grads_and_vars)
+                    self.var_list = tuple(v for _, v in grads_and_vars)
+                _check_gradients(grads_and_vars, self.guard.step)
+            if self.transform is not None:
+                with self.guard.scope("transform"):
+                    now = None if self.global_step is None else self.global_step.read_value()
+                    grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
+            outputs = {"loss": tf.cast(loss, tf.float32)}
+            if self.record:
+                with self.guard.scope("record"):
+                    outputs.update(_records(self.record, self.optimizer, grads_and_vars))
+            if self.nonfinite == "raise":
+                with self.guard.scope("check"):
+                    loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
+            elif self.nonfinite == "skip":
+                with self.guard.scope("check"):
+                    finite = _all_finite([loss] + [g for g, _ in grads_and_vars])
+            with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
+                if self.nonfinite == "skip":
+                    apply_op = self._apply_if(finite, grads_and_vars)
+                else:
+                    apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
+        return outputs, apply_op
+
+    def _checked(self, k, loss, grads_and_vars):
+        """The loss and gradients through CheckNumerics: a non-finite value stops the run
+        before this step's apply, with a message naming the step and the variable."""
+        step = f"inner step {k}" if isinstance(k, int) else "an inner step in 2..N (the loop body)"
+
+        def check(x, what):
+            message = (f"{self.label}: {step} has a non-finite {what}; that step was not "
+                       f"applied, the steps before it were (nonfinite='skip' skips such steps)")
+            if isinstance(x, tf.IndexedSlices):
+                return tf.IndexedSlices(tf.debugging.check_numerics(x.values, message),
+                                        x.indices, x.dense_shape)
+            return tf.debugging.check_numerics(x, message)
+
+        return check(loss, "loss"), [(None if g is None else check(g, f"gradient for {v.op.name!r}"), v)
+                                     for g, v in grads_and_vars]
+
+    def _apply_if(self, finite, grads_and_vars):
+        """Apply when ``finite``; else only advance the global step and count the skip."""
+        check_resource_variables([v for _, v in grads_and_vars] + (
+            [self.global_step] if self.global_step is not None else []), "nonfinite='skip'")
+
+        def apply():
+            with tf.control_dependencies([self.optimizer.apply_gradients(
+                    grads_and_vars, global_step=self.global_step)]):
+                return tf.constant(True)
+
+        def skip():
+            updates = [self.skipped.assign_add(1)]
+            if self.global_step is not None:
+                updates.append(self.global_step.assign_add(1))
+            with tf.control_dependencies(updates):
+                return tf.constant(False)
+
+        return tf.cond(finite, apply, skip).op
+
+    def state(self):
+        """Every variable the steps write: weights, optimizer slots, global step, skip counter."""
+        state = list(self.var_list) + self.optimizer.variables()
+        return state + [v for v in (self.global_step, self.skipped) if v is not None]
+
+
+def _tape_for(optimizer, var_list):
+    """A GradientTape for steps 2..N when it computes what compute_gradients would.
+
+    ``tf.gradients`` (inside ``compute_gradients``) walks forward from each
+    variable through every op that reads it, which in an unrolled graph is every
+    earlier step: building N steps costs O(N^2). A tape records this step's ops
+    only. It sees resource-variable reads, so ref variables keep
+    ``compute_gradients``, as does an optimizer that overrides it (loss scaling).
+    """
+    stock = type(optimizer).compute_gradients is tf.compat.v1.train.Optimizer.compute_gradients
+    if stock and all(v.op.type == "VarHandleOp" for v in var_list):
+        return tf.GradientTape(watch_accessed_variables=False)
+    return None
+
+
+def _records(record, optimizer, grads_and_vars):
+    """This step's recorded quantities, float32 scalars."""
+    out = {}
+    if "grad_norm" in record:
+        out["grad_norm"] = tf.linalg.global_norm([g for g, _ in grads_and_vars if g is not None])
+    if "learning_rate" in record:
+        lr = learning_rate_of(optimizer)
+        out["learning_rate"] = tf.cast(lr() if callable(lr) else lr, tf.float32)
+    return out
+
+
+def learning_rate_of(optimizer):
+    for attr in ("_learning_rate", "_lr"):
+        if hasattr(optimizer, attr):
+            return getattr(optimizer, attr)
+    return None
+
+
+def _all_finite(tensors):
+    values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+
+def check_resource_variables(variables, what):
+    ref = [v.op.name for v in variables if v.op.type != "VarHandleOp"]
+    if ref:
+        raise TypeError(
+            f"{what} needs resource variables, but {', '.join(map(repr, ref))} "
+            f"{'is a ref variable' if len(ref) == 1 else 'are ref variables'} "
+            f"(use_resource=False), which a tf.while_loop or tf.cond body cannot capture. "
+            f"Create them with use_resource=True (the TF2 default).")
+
+
+class CreationGuard:
+    """Variable creator: names variables as a single-step graph would, once.
+
+    Variables made during step 1 (by the model, Keras layers or the optimizer)
+    are created with the step's name scope stripped, so they get exactly the
+    names of a single-step graph of the same model. Making a variable in a
+    later step is an error: every step must share one set of weights and slots.
+    """
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.base = graph.get_name_scope()
+        self.step = 1
+        self._prefix = None
+
+    @contextlib.contextmanager
+    def scope(self, sub):
+        """Name scope ``sub`` of the current step, stripped from the names of variables made in it."""
+        with tf.name_scope(sub) as prefix:
+            self._prefix = prefix
+            try:
+                yield prefix
+            finally:
+                self._prefix = None
+
+    def __call__(self, next_creator, **kwargs):
+        if self.step != 1:
+            raise ValueError(
+                f"loss_fn created variable {kwargs.get('name')!r} at inner step "
+                f"{self.step}; variables must be created on the first call and "
+                f"reused after (create Keras layers outside loss_fn, use "
+                f"tf.compat.v1.get_variable, or create the variables before ms.unroll).")
+        current = self.graph.get_name_scope() + "/"
+        if self._prefix is None or not current.startswith(self._prefix):
+            return next_creator(**kwargs)
+        rest = current[len(self._prefix):]
+        outer = (self.base + "/" if self.base else "") + rest
+        with self.graph.name_scope(outer):
+            return next_creator(**kwargs)
+
+
+def _reuse_variables(reuse):
+    """From step 2 on, ``get_variable`` returns the variables step 1 made."""
+    if not reuse:
+        return contextlib.nullcontext()
+    return tf.compat.v1.variable_scope(
+        tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
+
+
+def _call_loss_fn(loss_fn, args, step):
+    loss = loss_fn(*args)
+    if not isinstance(loss, tf.Tensor):
+        raise TypeError(
+            f"loss_fn must return a scalar float tensor, got {type(loss).__name__} "
+            f"at inner step {step}.")
+    if not loss.dtype.is_floating:
+        raise TypeError(f"loss_fn must return a float loss, got dtype {loss.dtype.name} ({loss.name!r}).")
+    if loss.shape.rank != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {loss.shape} ({loss.name!r}); "
+            f"reduce it first, e.g. tf.reduce_mean(...).")
+    return loss
+
+
+def _trained_pairs(grads_and_vars):
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not pairs:
+        raise ValueError("the loss has no gradient with respect to any trainable variable.")
+    return pairs
+
+
+def _check_gradients(grads_and_vars, step):
+    missing = [v.name for g, v in grads_and_vars if g is None]
+    if missing:
+        raise ValueError(
+            f"var_list: no gradient path from the loss to {', '.join(map(repr, missing))} "
+            f"(inner step {step}); remove them from var_list or use them in loss_fn.")
+
