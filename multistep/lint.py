@@ -17,13 +17,21 @@ How a "read" looks in a graph:
 
 import warnings
 
-__all__ = ["StaleForwardError", "check_captures", "check_step", "warn_random_under_xla",
-           "warn_stateful_random", "watched_variables"]
+__all__ = ["StaleForwardError", "ancestors", "check_captures", "check_dangling", "check_step",
+           "is_write", "order_as_built", "warn_random_under_xla", "warn_stateful_random",
+           "watched_variables", "written_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
 # Ops that pass a variable through without reading it (they alias it).
 _ALIAS_OPS = frozenset({"Identity"})
+# Stateful ops that only read state (or make a variable): never "dangling".
+_READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp",
+                       "VariableV2", "Variable", "_ReadVariablesOp"}) | _METADATA_OPS
+# Ops that write the variable given as their first input (resource handle or ref).
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                   "ResourceStridedSliceAssign", "Scatter", "Apply", "SparseApply",
+                   "StridedSliceAssign")
 _STATEFUL_RANDOM_OPS = frozenset({
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
     "ParameterizedTruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
@@ -55,6 +63,81 @@ def _read_of(op, watched):
 
 def _preds(op):
     return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def is_write(op):
+    """Whether ``op`` writes the variable that is its first input."""
+    return op.type.startswith(_WRITE_PREFIXES) and len(op.inputs) > 0
+
+
+def written_variables(ops):
+    """Map from the op that owns each variable that one of ``ops`` writes to its name."""
+    written = {}
+    for op in ops:
+        if is_write(op):
+            source = _source_op(op.inputs[0])
+            written[source] = source.name
+    return written
+
+
+def order_as_built(ops):
+    """Orders every read and write of a resource variable among ``ops`` as they were built
+    (each write after the accesses before it, each access after the write before it), the
+    order tf.function's automatic control dependencies give them. A graph orders two ops
+    only by its edges: a read and a write of one variable without one may run either way."""
+    last_write, reads = {}, {}
+    for op in ops:
+        handles = {_source_op(t) for t in op.inputs if t.dtype == "resource"}
+        for handle in handles:
+            before = [last_write[handle]] if handle in last_write else []
+            if is_write(op) and _source_op(op.inputs[0]) is handle:
+                before += reads.pop(handle, [])
+                last_write[handle] = op
+            elif op.type in _READ_OPS:
+                reads.setdefault(handle, []).append(op)
+            else:
+                continue
+            missing = [b for b in before if b is not op and b not in op.control_inputs]
+            if missing:
+                op._add_control_inputs(missing)  # noqa: SLF001 (TensorFlow's own auto_control_deps does this)
+
+
+def ancestors(roots):
+    """Every op that one of ``roots`` depends on, ``roots`` included."""
+    seen, stack = set(), list(roots)
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(_preds(op))
+    return seen
+
+
+def check_dangling(ops, end, *, exempt, name, step):
+    """Raise ValueError if one of ``ops`` (those a step built) is stateful but neither
+    ``end`` (the op that ends the step) nor anything it depends on needs it: it would
+    never run. Reads, variables and the ops in ``exempt`` are not flagged. Only the
+    step's own ops are walked, so the check costs the step's size, not the graph's."""
+    own = set(ops)
+    reached, stack = set(), [end] if end in own else []
+    while stack:
+        op = stack.pop()
+        if op not in reached:
+            reached.add(op)
+            stack.extend(p for p in _preds(op) if p in own)
+    for op in ops:
+        if (op not in reached and op not in exempt and op.type not in _READ_OPS
+                and getattr(op, "_is_stateful", False)):
+            raise ValueError(
+                f"{name}: inner step {step} builds the stateful op '{op.name}' ({op.type}), but "
+                f"nothing the step runs depends on it, so it would never run (nor would it in a "
+                f"single-step graph built the same way). To run it in every step: add it to "
+                f"tf.compat.v1.GraphKeys.UPDATE_OPS inside loss_fn (update_ops=True runs those "
+                f"after the step's forward pass, before its apply), or build it in after_apply "
+                f"(run after the step's apply). Layers that write state in their forward pass "
+                f"without UPDATE_OPS (Keras 3 BatchNormalization and Dropout in graph mode) need "
+                f"update_ops='all': every variable write of the forward pass then runs in its "
+                f"step, as tf.function would run it.")
 
 
 def _ancestors_postorder(root, stop=None, known=()):

@@ -21,14 +21,15 @@ import dataclasses
 
 import tensorflow as tf
 
-from multistep import transforms
+from multistep import lint, transforms
 
 __all__ = ["CreationGuard", "Step", "check_resource_variables", "learning_rate_of"]
 
 
 @dataclasses.dataclass
 class Step:
-    """Builds one inner step: forward, gradients, transform, checks, apply, in that order."""
+    """Builds one inner step: forward, update ops, gradients, transform, checks, apply,
+    after_apply, in that order."""
 
     loss_fn: object
     optimizer: object
@@ -38,54 +39,104 @@ class Step:
     guard: object
     record: tuple
     nonfinite: str
+    update_ops: object = True
+    after_apply: object = None
     label: str = "multistep"
     skipped: object = None
+    written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
 
-        Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the apply op).
+        Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the op
+        that ends the step: its apply, or the end of its ``after_apply``).
         """
-        self.guard.step = k if isinstance(k, int) else "2..N (the loop body)"
+        self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
+        graph = tf.compat.v1.get_default_graph()
+        first_op, created = len(graph.get_operations()), len(self.guard.created)
         tape = _tape_for(self.optimizer, self.var_list) if k != 1 else None
         with tf.control_dependencies(deps):
+            updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
+            known_updates = len(updates)
             with self.guard.scope("forward"), _reuse_variables(k != 1), tape or contextlib.nullcontext():
                 if tape is not None:
                     tape.watch(self.var_list)
-                loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, self.guard.step)
-            with self.guard.scope("gradients"):
-                if tape is not None:
-                    grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
-                if tape is None or any(g is None for g, _ in grads_and_vars):
-                    # No tape, or the tape missed a variable step 1 had a gradient for: it
-                    # was read outside this step (stale). tf.gradients follows that read,
-                    # so the stale-forward check below can name it.
-                    grads_and_vars = self.optimizer.compute_gradients(
-                        loss, var_list=list(self.var_list) if self.var_list else None)
-                if self.var_list is None:
-                    grads_and_vars = _trained_pairs(grads_and_vars)
-                    self.var_list = tuple(v for _, v in grads_and_vars)
-                _check_gradients(grads_and_vars, self.guard.step)
-            if self.transform is not None:
-                with self.guard.scope("transform"):
-                    now = None if self.global_step is None else self.global_step.read_value()
-                    grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
-            outputs = {"loss": tf.cast(loss, tf.float32)}
-            if self.record:
-                with self.guard.scope("record"):
-                    outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-            if self.nonfinite == "raise":
-                with self.guard.scope("check"):
-                    loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
-            elif self.nonfinite == "skip":
-                with self.guard.scope("check"):
-                    finite = _all_finite([loss] + [g for g, _ in grads_and_vars])
-            with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
-                if self.nonfinite == "skip":
-                    apply_op = self._apply_if(finite, grads_and_vars)
-                else:
-                    apply_op = self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
-        return outputs, apply_op
+                loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, step)
+            collected = [_as_op(u) for u in updates[known_updates:]]
+            if k != 1:  # the collection keeps one step's update ops, as a single-step graph has
+                del updates[known_updates:]
+            initializers = _initializers(self.guard.created[created:])
+            created = len(self.guard.created)
+            forward = graph.get_operations()[first_op:]
+            run_first = self._update_ops(collected, forward, initializers)
+            with tf.control_dependencies(run_first):
+                outputs, apply_op = self._descend(k, loss, tape)
+        end = apply_op if self.nonfinite == "skip" else self._after(apply_op)
+        initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
+        ops = graph.get_operations()[first_op:]
+        self.written.update(lint.written_variables(ops))
+        exempt = initializers | (set(collected) if self.update_ops is False else set())
+        lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
+        return outputs, end
+
+    def _descend(self, k, loss, tape):
+        """Gradients (from ``tape`` where there is one), transforms, records, checks and
+        the apply of step ``k``'s ``loss``: (outputs, the apply op)."""
+        with self.guard.scope("gradients"):
+            grads_and_vars = self._gradients(loss, tape)
+        if self.transform is not None:
+            with self.guard.scope("transform"):
+                now = None if self.global_step is None else self.global_step.read_value()
+                grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
+        outputs = {"loss": tf.cast(loss, tf.float32)}
+        if self.record:
+            with self.guard.scope("record"):
+                outputs.update(_records(self.record, self.optimizer, grads_and_vars))
+        if self.nonfinite == "raise":
+            with self.guard.scope("check"):
+                loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
+        elif self.nonfinite == "skip":
+            with self.guard.scope("check"):
+                finite = _all_finite([loss] + [g for g, _ in grads_and_vars])
+        with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
+            if self.nonfinite == "skip":
+                return outputs, self._apply_if(finite, grads_and_vars)
+            return outputs, self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
+
+    def _gradients(self, loss, tape):
+        if tape is not None:
+            grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
+        if tape is None or any(g is None for g, _ in grads_and_vars):
+            # No tape, or the tape missed a variable step 1 had a gradient for: it
+            # was read outside this step (stale). tf.gradients follows that read,
+            # so the stale-forward check can name it.
+            grads_and_vars = self.optimizer.compute_gradients(
+                loss, var_list=list(self.var_list) if self.var_list else None)
+        if self.var_list is None:
+            grads_and_vars = _trained_pairs(grads_and_vars)
+            self.var_list = tuple(v for _, v in grads_and_vars)
+        _check_gradients(grads_and_vars, self.guard.step)
+        return grads_and_vars
+
+    def _update_ops(self, collected, forward, initializers):
+        """The ops step k runs after its forward pass and before its gradients and apply."""
+        if self.update_ops is False:
+            return []
+        if self.update_ops == "all":
+            own = [op for op in forward if op not in initializers]
+            lint.order_as_built(own)
+            writes = [op for op in own if lint.is_write(op)]
+            return collected + [op for op in writes if op not in set(collected)]
+        return collected
+
+    def _after(self, apply_op):
+        """``after_apply``'s ops, after ``apply_op``; the op that ends the step."""
+        if self.after_apply is None:
+            return apply_op
+        with self.guard.scope("after_apply"), tf.control_dependencies([apply_op]):
+            ops = _after_apply_ops(self.after_apply(), self.guard.step)
+            with tf.control_dependencies([apply_op, *ops]):
+                return tf.no_op(name="done")
 
     def _checked(self, k, loss, grads_and_vars):
         """The loss and gradients through CheckNumerics: a non-finite value stops the run
@@ -108,9 +159,9 @@ class Step:
         check_resource_variables([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []), "nonfinite='skip'")
 
-        def apply():
-            with tf.control_dependencies([self.optimizer.apply_gradients(
-                    grads_and_vars, global_step=self.global_step)]):
+        def apply():  # a skipped step runs no after_apply: only this branch has one
+            with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
+                    grads_and_vars, global_step=self.global_step))]):
                 return tf.constant(True)
 
         def skip():
@@ -123,9 +174,35 @@ class Step:
         return tf.cond(finite, apply, skip).op
 
     def state(self):
-        """Every variable the steps write: weights, optimizer slots, global step, skip counter."""
+        """The variables the steps train and count: weights, optimizer slots, global step,
+        skip counter (``written`` has every variable a step writes, these and others)."""
         state = list(self.var_list) + self.optimizer.variables()
         return state + [v for v in (self.global_step, self.skipped) if v is not None]
+
+
+def _as_op(value):
+    """The op of an op, a tensor or a variable (an update op may be any of them)."""
+    if isinstance(value, tf.Operation):
+        return value
+    return value.op
+
+
+def _initializers(variables):
+    """The ops that initialise ``variables`` (and their initial values): run by the
+    initialiser, not by a step, so never dangling."""
+    roots = [v.initializer for v in variables if getattr(v, "initializer", None) is not None]
+    return lint.ancestors(roots)
+
+
+def _after_apply_ops(returned, step):
+    """What ``after_apply`` returned, as a list of ops and tensors."""
+    flat = [] if returned is None else tf.nest.flatten(returned)
+    for value in flat:
+        if not isinstance(value, (tf.Operation, tf.Tensor, tf.Variable)):
+            raise TypeError(
+                f"after_apply must return an op, a tensor, a list of them or None; at inner "
+                f"step {step} it returned {type(value).__name__} ({value!r}).")
+    return [v.op if isinstance(v, tf.Variable) else v for v in flat]
 
 
 def _tape_for(optimizer, var_list):
@@ -189,6 +266,7 @@ class CreationGuard:
         self.graph = graph
         self.base = graph.get_name_scope()
         self.step = 1
+        self.created = []  # every variable made under this guard, in order
         self._prefix = None
 
     @contextlib.contextmanager
@@ -210,11 +288,13 @@ class CreationGuard:
                 f"tf.compat.v1.get_variable, or create the variables before ms.unroll).")
         current = self.graph.get_name_scope() + "/"
         if self._prefix is None or not current.startswith(self._prefix):
-            return next_creator(**kwargs)
-        rest = current[len(self._prefix):]
-        outer = (self.base + "/" if self.base else "") + rest
-        with self.graph.name_scope(outer):
-            return next_creator(**kwargs)
+            variable = next_creator(**kwargs)
+        else:
+            rest = current[len(self._prefix):]
+            with self.graph.name_scope((self.base + "/" if self.base else "") + rest):
+                variable = next_creator(**kwargs)
+        self.created.append(variable)
+        return variable
 
 
 def _reuse_variables(reuse):

@@ -87,6 +87,7 @@ class InputExhaustedError(tf.errors.OutOfRangeError):
 
 
 NONFINITE = ("raise", "skip", "ignore")
+UPDATE_OPS = (True, False, "all")
 RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
@@ -96,8 +97,8 @@ class GraphTooLargeError(ValueError):
 
 
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
-           global_step=None, mode="unrolled", xla=False, record=(), nonfinite="raise",
-           name="multistep"):
+           global_step=None, update_ops=True, after_apply=None, mode="unrolled", xla=False,
+           record=(), nonfinite="raise", name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -120,6 +121,25 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         at every inner step, after ``ms.dedupe_sparse``; ``step`` is the global
         step before the update (None without ``global_step``).
       global_step: optional integer variable, advanced once per inner step.
+      update_ops: ``True``: the ops that ``loss_fn`` adds to
+        ``tf.compat.v1.GraphKeys.UPDATE_OPS`` while building step k (batch
+        normalization's moving mean and variance) run in step k, after its
+        forward pass and before its gradients and apply, as a single step's
+        ``with tf.control_dependencies(UPDATE_OPS): minimize(loss)`` runs them.
+        The collection keeps step 1's (the ops a single-step graph of the same
+        model holds), not those of steps 2..N. ``"all"``: those, and every
+        other variable write that ``loss_fn`` builds (what Keras 3 layers such
+        as ``BatchNormalization`` and ``Dropout`` need in graph mode: they write
+        their state without UPDATE_OPS; ``tf.function`` would run the writes).
+        ``False``: the update ops are left out and never run.
+      after_apply: optional callable ``() -> op, tensor, list of them, or None``,
+        called once per inner step after that step's apply and inside its
+        dependencies; what it returns runs before step k+1 reads anything: the
+        single-step ``with tf.control_dependencies([train_op]): after_apply()``.
+        For ``ema.apply(var_list)``, weight projections and constraints. The
+        variables it creates on its first call (an EMA's shadows) get the names
+        of a single-step graph. With ``nonfinite="skip"`` a skipped step runs no
+        ``after_apply``.
       mode: ``"unrolled"``: N copies of the step, chained by control
         dependencies (the graph grows with N). ``"while_loop"``: step 1, which
         creates the variables and slots, then one ``tf.while_loop`` body for
@@ -139,8 +159,14 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         still advances, and ``Unrolled.skipped_steps`` counts it (resource
         variables only). ``"ignore"``: apply it anyway.
       name: name scope; steps appear as
-        ``name/step_k/{forward,gradients,transform,apply}`` (loop mode:
+        ``name/step_k/{forward,gradients,transform,apply,after_apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
+
+    A stateful op that ``loss_fn`` or ``after_apply`` builds and that nothing in
+    its step depends on (an unused ``assign_add``) would never run: that is a
+    ``ValueError`` naming the op. Every variable a step writes (weights, slots,
+    global step, moving statistics, anything ``loss_fn`` or ``after_apply``
+    assigns) is watched by the stale-forward check.
 
     Returns:
       An ``Unrolled`` with ``train_op`` and ``losses``.
@@ -169,9 +195,14 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         raise TypeError(f"xla must be True or False, got {xla!r}.")
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}.")
-    step = step_lib.Step(loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
-                 _check_transforms(grad_transforms), step_lib.CreationGuard(tf.compat.v1.get_default_graph()),
-                 _check_record(record, optimizer), nonfinite)
+    if update_ops not in UPDATE_OPS or not isinstance(update_ops, (bool, str)):
+        raise ValueError(f"update_ops must be one of {UPDATE_OPS}, got {update_ops!r}.")
+    if after_apply is not None and not callable(after_apply):
+        raise TypeError(f"after_apply must be a callable () -> ops, got {after_apply!r}.")
+    step = step_lib.Step(
+        loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
+        _check_transforms(grad_transforms), step_lib.CreationGuard(tf.compat.v1.get_default_graph()),
+        _check_record(record, optimizer), nonfinite, update_ops=update_ops, after_apply=after_apply)
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
         label = step.label = scope.rstrip("/")
@@ -181,10 +212,10 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
         with tf.name_scope("step_1"):
-            first, apply_op = step.build(1, feed.args(0), deps=[])
+            first, end = step.build(1, feed.args(0), deps=[])
         step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
-        watched = lint.watched_variables(step.state())
-        lint.warn_stateful_random(apply_op, name=label)
+        watched = {**lint.watched_variables(step.state()), **step.written}
+        lint.warn_stateful_random(end, name=label)
         if mode == "while_loop" and steps > 1:
             step_lib.check_resource_variables(step.state(), "mode='while_loop'")
         if mode == "unrolled" and steps > 1:
@@ -198,17 +229,17 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             return _chain(step, feed, steps, after, watched, label)
 
         if steps == 1:
-            later, last = {}, apply_op
+            later, last = {}, end
         elif xla:
             program = tf.function(lambda: rest(None)[0], jit_compile=True, autograph=False)
-            with tf.control_dependencies([apply_op]):
+            with tf.control_dependencies([end]):
                 later = program()
             program_graph = program.get_concrete_function().graph
             lint.check_captures(program_graph, watched, name=label)
             lint.warn_random_under_xla(program_graph, name=label)
             last = next(iter(later.values())).op
         else:
-            later, last = rest(apply_op)
+            later, last = rest(end)
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
             outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
@@ -219,18 +250,18 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                     global_step=step.global_step, skipped_steps=step.skipped)
 
 
-def _chain(step, feed, steps, apply_op, watched, label):
-    """Steps 2..N unrolled, each after the previous apply (step 2 after ``apply_op``)."""
+def _chain(step, feed, steps, end, watched, label):
+    """Steps 2..N unrolled, each after the end of the previous one (step 2 after ``end``)."""
     outputs = []
     for k in range(2, steps + 1):
-        deps = [apply_op] if apply_op is not None else []
+        deps = [end] if end is not None else []
         with tf.name_scope(f"step_{k}"):
-            out, next_apply = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
-        if apply_op is not None:
-            lint.check_step(k, next_apply, apply_op, watched, name=label)
+            out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
+        if end is not None:
+            lint.check_step(k, next_end, end, watched, name=label)
         outputs.append(out)
-        apply_op = next_apply
-    return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, apply_op
+        end = next_end
+    return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end
 
 
 def _loop(step, feed, steps, after, watched, label):
@@ -239,8 +270,8 @@ def _loop(step, feed, steps, after, watched, label):
 
     def body(i, arrays):
         bodies.append(tf.compat.v1.get_default_graph())
-        out, apply_op = step.build(i + 1, lambda: feed.args(i), deps=[i])
-        with tf.control_dependencies([apply_op]):
+        out, end = step.build(i + 1, lambda: feed.args(i), deps=[i])
+        with tf.control_dependencies([end]):
             return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
 
     keys = ["loss", *step.record]

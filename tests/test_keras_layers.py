@@ -1,0 +1,179 @@
+"""Layers that keep state: Keras 3 (in this process) and tf-keras's tf.compat.v1.layers
+(in a subprocess: TF_USE_LEGACY_KERAS is read when TensorFlow is imported).
+
+What Keras 3 does in tf.compat.v1 graph mode: BatchNormalization(training=True) and
+Dropout build their state writes (the moving mean and variance; the seed generator's
+state) as plain AssignVariableOps that nothing depends on and that are not in
+UPDATE_OPS. A canonical single-step graph (`minimize` under UPDATE_OPS) never runs them:
+the moving statistics stay at 0 and 1 and the dropout mask never changes. ms.unroll
+refuses such a graph by default, naming the op; update_ops="all" runs every state write
+of the forward pass in its step, ordered as built, as a tf.function single step (the
+reference) runs them."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+rng = np.random.RandomState(5)
+X = rng.randn(6, 8, 3).astype(np.float32)
+Y = rng.randn(6, 8, 2).astype(np.float32)
+
+
+def keras3_model():
+    """A loss function over Keras 3 layers, and the list of state to compare."""
+    bn = keras.layers.BatchNormalization(name="bn")
+    drop = keras.layers.Dropout(0.5, seed=1, name="drop")
+    dense = keras.layers.Dense(2, name="dense", kernel_initializer=keras.initializers.Constant(
+        np.random.RandomState(1).randn(3, 2).astype(np.float32)))
+
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.square(dense(drop(bn(x, training=True), training=True)) - y))
+
+    def state(optimizer, global_step):
+        """Every variable, matched by its role, not its name: Keras numbers its seed
+        generators per process (seed_generator, seed_generator_1, ...)."""
+        out = {"global_step": global_step, "seed": drop.seed_generator.state.value}
+        for layer in (bn, dense):
+            for weight in layer.weights:
+                var = weight.value
+                out[weight.path] = var
+                for slot in ("m", "v") if weight.trainable else ():
+                    out[f"{weight.path}/{slot}"] = optimizer.get_slot(var, slot)
+        return out
+    return loss_fn, state
+
+
+def reference(steps):
+    """Single steps the TF2 way: one tf.function call per step (its automatic control
+    dependencies run every state write of the forward pass, in program order), with the
+    same Keras 3 layers and the same tf.compat.v1 optimizer."""
+    loss_fn, state = keras3_model()
+    optimizer = V1.train.AdamOptimizer(0.05)
+    gs = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        optimizer.minimize(lambda: loss_fn(x, y), global_step=gs)
+
+    for k in range(steps):
+        step(tf.constant(X[k]), tf.constant(Y[k]))
+    return {name: np.asarray(v) for name, v in state(optimizer, gs).items()}
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_keras3_batch_norm_and_dropout_with_update_ops_all(mode):
+    want = reference(6)
+    with tf.Graph().as_default():
+        loss_fn, state = keras3_model()
+        gs = V1.train.get_or_create_global_step()
+        optimizer = V1.train.AdamOptimizer(0.05)
+        xs, ys = V1.placeholder(tf.float32, [3, 8, 3]), V1.placeholder(tf.float32, [3, 8, 2])
+        unrolled = ms.unroll(loss_fn, optimizer, 3, inputs=(xs, ys), global_step=gs,
+                             update_ops="all", mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for r in range(2):
+                sess.run(unrolled.train_op, {xs: X[3 * r:3 * r + 3], ys: Y[3 * r:3 * r + 3]})
+            got = sess.run(state(optimizer, gs))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].astype(got[name].dtype).tobytes(), name
+    assert not np.array_equal(got["bn/moving_mean"], np.zeros(3, np.float32))  # they moved
+    assert got["seed"].tolist() != [1, 0]                                       # the mask changed
+
+
+def test_keras3_state_writes_are_refused_by_default():
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"AssignVariableOp.*update_ops='all'"):
+        ms.unroll(keras3_model()[0], V1.train.AdamOptimizer(0.05), 3,
+                  inputs=(tf.constant(X[:3]), tf.constant(Y[:3])))
+
+
+LEGACY = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import tensorflow as tf
+    import multistep as ms
+
+    V1 = tf.compat.v1
+    # oneDNN's convolution kernels split the bias gradient's sum over the intra-op threads,
+    # in a split that depends on the graph around them: with 2 threads, the fused graph's
+    # conv/bias differs from the single-step graph's in the last bits (with
+    # TF_ENABLE_ONEDNN_OPTS=0, or one intra-op thread, the two are bitwise equal). One thread
+    # in both sessions makes every sum run in one order, so the comparison can be bitwise.
+    CONFIG = V1.ConfigProto(intra_op_parallelism_threads=1)
+    rng = np.random.RandomState(2)
+    X = rng.randn(6, 4, 5, 5, 1).astype(np.float32)
+    Y = rng.randn(6, 4, 2).astype(np.float32)
+
+    def model(x, y, step):
+        h = V1.layers.conv2d(x, 3, 3, name="conv", kernel_initializer=V1.constant_initializer(0.1))
+        h = V1.layers.batch_normalization(h, training=True, name="bn")
+        h = tf.nn.relu(V1.layers.flatten(h))
+        # tf.compat.v1.layers.dropout draws with a stateful op; made stateless, keyed on the step:
+        h = tf.nn.experimental.stateless_dropout(h, 0.3, seed=tf.stack([7, tf.cast(step, tf.int32)]))
+        out = V1.layers.dense(h, 2, name="dense", kernel_initializer=V1.constant_initializer(0.05))
+        return tf.reduce_mean(tf.square(out - y))
+
+    def canonical(opt, steps):
+        with tf.Graph().as_default():
+            x, y = V1.placeholder(tf.float32, X.shape[1:]), V1.placeholder(tf.float32, Y.shape[1:])
+            gs = V1.train.get_or_create_global_step()
+            loss = model(x, y, gs.read_value())
+            with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
+                train = opt().minimize(loss, global_step=gs)
+            with V1.Session(config=CONFIG) as sess:
+                sess.run(V1.global_variables_initializer())
+                for k in range(steps):
+                    sess.run(train, {x: X[k], y: Y[k]})
+                return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+    def fused(opt, steps, runs, mode):
+        with tf.Graph().as_default():
+            gs = V1.train.get_or_create_global_step()
+            xs = V1.placeholder(tf.float32, (steps,) + X.shape[1:])
+            ys = V1.placeholder(tf.float32, (steps,) + Y.shape[1:])
+            u = ms.unroll(lambda x, y: model(x, y, gs.read_value()), opt(), steps, inputs=(xs, ys),
+                          global_step=gs, mode=mode)
+            with V1.Session(config=CONFIG) as sess:
+                sess.run(V1.global_variables_initializer())
+                for r in range(runs):
+                    sess.run(u.train_op, {xs: X[r * steps:(r + 1) * steps], ys: Y[r * steps:(r + 1) * steps]})
+                return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+    opts = {"GradientDescent": lambda: V1.train.GradientDescentOptimizer(0.1),
+            "Adam": lambda: V1.train.AdamOptimizer(0.01)}
+    results = {}
+    for name, opt in opts.items():
+        want = canonical(opt, 6)
+        for mode in ("unrolled", "while_loop"):
+            got = fused(opt, 3, 2, mode)
+            results[f"{name}-{mode}"] = {
+                "names": sorted(got) == sorted(want),
+                "differ": sorted(n for n in want if got.get(n, np.zeros(0)).tobytes() != want[n].tobytes()),
+                "moving_mean_moved": bool(np.any(got["bn/moving_mean"] != 0))}
+    print(json.dumps(results))
+""")
+
+
+def test_tf1_layers_under_tf_keras_match_canonical_single_steps(tmp_path):
+    script = tmp_path / "legacy.py"
+    script.write_text(LEGACY)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(results) == ["Adam-unrolled", "Adam-while_loop", "GradientDescent-unrolled",
+                               "GradientDescent-while_loop"]
+    for case, r in results.items():
+        assert r["names"] and r["differ"] == [] and r["moving_mean_moved"], (case, r)

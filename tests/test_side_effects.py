@@ -1,0 +1,261 @@
+"""Everything a single step runs, each inner step runs: update ops, after_apply, and no
+stateful op left dangling. References are single steps written in the canonical TF1 way:
+``with tf.control_dependencies(UPDATE_OPS): train = opt.minimize(loss)`` and
+``with tf.control_dependencies([train]): ema.apply(...)``; every global variable
+(weights, slots, moving statistics, EMA shadows, global step) is compared bitwise."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+UPDATE_OPS = V1.GraphKeys.UPDATE_OPS
+rng = np.random.RandomState(7)
+X = rng.randn(6, 8, 3).astype(np.float32)   # 6 batches: one per step of the longest run
+Y = rng.randn(6, 8, 2).astype(np.float32)
+OPTIMIZERS = {
+    "GradientDescent": lambda: V1.train.GradientDescentOptimizer(0.1),
+    "Momentum": lambda: V1.train.MomentumOptimizer(0.1, 0.9),
+    "Adam": lambda: V1.train.AdamOptimizer(0.05),
+}
+
+
+def bn_loss(x, y, use_resource=True):
+    """Dense 3->2 with a hand-written batch norm: its moving mean and variance are updated by
+    ops in UPDATE_OPS, as tf.compat.v1.layers.batch_normalization adds them."""
+    w = V1.get_variable("dense/kernel", initializer=rng_init((3, 2)), use_resource=use_resource)
+    mean_var = V1.get_variable("bn/moving_mean", initializer=np.zeros(2, np.float32),
+                               trainable=False, use_resource=use_resource)
+    var_var = V1.get_variable("bn/moving_variance", initializer=np.ones(2, np.float32),
+                              trainable=False, use_resource=use_resource)
+    h = tf.matmul(x, w)
+    mean, variance = tf.nn.moments(h, [0])
+    V1.add_to_collection(UPDATE_OPS, V1.assign(mean_var, 0.9 * mean_var + 0.1 * mean))
+    V1.add_to_collection(UPDATE_OPS, V1.assign(var_var, 0.9 * var_var + 0.1 * variance))
+    return tf.reduce_mean(tf.square((h - mean) * tf.math.rsqrt(variance + 1e-3) - y))
+
+
+def rng_init(shape):
+    return np.random.RandomState(1).randn(*shape).astype(np.float32)
+
+
+def values():
+    return {v.op.name: V1.get_default_session().run(v) for v in V1.global_variables()}
+
+
+def single_steps(loss_fn, optimizer, steps, after_apply=None, **kw):
+    """``steps`` canonical single steps, one sess.run each, batch k in step k."""
+    with tf.Graph().as_default():
+        x, y = V1.placeholder(tf.float32, [8, 3]), V1.placeholder(tf.float32, [8, 2])
+        gs = V1.train.get_or_create_global_step()
+        loss = loss_fn(x, y, **kw)
+        with tf.control_dependencies(V1.get_collection(UPDATE_OPS)):
+            train = optimizer().minimize(loss, global_step=gs)
+        if after_apply is not None:
+            with tf.control_dependencies([train]):
+                train = tf.group(after_apply())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for k in range(steps):
+                sess.run(train, {x: X[k], y: Y[k]})
+            return values()
+
+
+def fused_steps(loss_fn, optimizer, steps, runs, *, mode="unrolled", after_apply=None, kw=None,
+                **options):
+    with tf.Graph().as_default():
+        gs = V1.train.get_or_create_global_step()
+        xs, ys = V1.placeholder(tf.float32, [steps, 8, 3]), V1.placeholder(tf.float32, [steps, 8, 2])
+        unrolled = ms.unroll(lambda x, y: loss_fn(x, y, **(kw or {})), optimizer(), steps,
+                             inputs=(xs, ys), global_step=gs, mode=mode,
+                             after_apply=after_apply, **options)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for r in range(runs):
+                sess.run(unrolled.train_op, {xs: X[r * steps:(r + 1) * steps],
+                                             ys: Y[r * steps:(r + 1) * steps]})
+            return values(), V1.get_collection(UPDATE_OPS)
+
+
+def assert_bitwise(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), f"{name}: {got[name]} != {want[name]}"
+
+
+CASES = [(n, mode, opt) for n in (1, 2, 5) for mode in ("unrolled", "while_loop") for opt in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("steps,mode,optimizer", CASES)
+def test_update_ops_run_in_every_step(steps, mode, optimizer):
+    runs = 6 // steps if steps != 5 else 1
+    want = single_steps(bn_loss, OPTIMIZERS[optimizer], steps * runs)
+    got, collection = fused_steps(bn_loss, OPTIMIZERS[optimizer], steps, runs, mode=mode)
+    assert_bitwise(got, want)
+    assert not np.array_equal(got["bn/moving_mean"], np.zeros(2, np.float32))
+    # The collection holds one step's update ops, as the single-step graph's does.
+    assert len(collection) == 2 and all("step_1/forward" in op.name for op in collection)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_update_ops_with_ref_variables(optimizer):
+    want = single_steps(bn_loss, OPTIMIZERS[optimizer], 6, use_resource=False)
+    got, _ = fused_steps(bn_loss, OPTIMIZERS[optimizer], 3, 2, kw={"use_resource": False})
+    assert_bitwise(got, want)
+
+
+def test_update_ops_false_leaves_them_out_and_verify_reports_it():
+    got, _ = fused_steps(bn_loss, OPTIMIZERS["GradientDescent"], 3, 1, update_ops=False)
+    assert got["bn/moving_mean"].tobytes() == np.zeros(2, np.float32).tobytes()
+
+    def build(steps):  # fused without the update ops, single with them; one fixed batch
+        return ms.unroll(lambda: bn_loss(X[0], Y[0]), V1.train.GradientDescentOptimizer(0.1),
+                         steps, update_ops=steps == 1), {}
+
+    report = ms.verify(build, steps=3, runs=1)
+    assert not report.ok and report.per_variable["bn/moving_mean"] > 0
+    assert report.per_variable["dense/kernel"] == 0  # batch statistics train the weights alike
+
+
+def ema_loss(x, y):
+    w = V1.get_variable("w", initializer=rng_init((3, 2)))
+    return tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+
+
+def make_ema_after_apply():
+    ema = V1.train.ExponentialMovingAverage(0.5)
+    return lambda: ema.apply(V1.trainable_variables())
+
+
+def max_norm_after_apply():
+    [w] = V1.trainable_variables()
+    return V1.assign(w, tf.clip_by_norm(w, 1.0, axes=[0]))
+
+
+@pytest.mark.parametrize("steps,mode,optimizer", CASES)
+def test_ema_after_apply_updates_once_per_step(steps, mode, optimizer):
+    runs = 6 // steps if steps != 5 else 1
+    want = single_steps(ema_loss, OPTIMIZERS[optimizer], steps * runs, make_ema_after_apply())
+    got, _ = fused_steps(ema_loss, OPTIMIZERS[optimizer], steps, runs, mode=mode,
+                         after_apply=make_ema_after_apply())
+    assert "w/ExponentialMovingAverage" in got  # the shadow has its single-step name
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_projection_after_apply(mode):
+    want = single_steps(ema_loss, OPTIMIZERS["Adam"], 6, max_norm_after_apply)
+    got, _ = fused_steps(ema_loss, OPTIMIZERS["Adam"], 3, 2, mode=mode, after_apply=max_norm_after_apply)
+    assert_bitwise(got, want)
+    assert np.all(np.linalg.norm(got["w"], axis=0) <= 1.0 + 1e-6)  # one float32 rounding of 1.0
+
+
+def test_after_apply_with_a_rule_optimizer_and_skipped_steps():
+    # A non-finite step is skipped: its weights stay and it runs no after_apply, so the
+    # EMA moves in the finite steps only. Reference: single steps that run the EMA only
+    # when the step was finite (the non-finite batch is batch 1).
+    xs = X.copy()
+    xs[1, 0, 0] = np.inf
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [8, 3])
+        y = V1.placeholder(tf.float32, [8, 2])
+        loss = ema_loss(x, y)
+        opt = ms.RuleOptimizer(ms.rules.sgd(), learning_rate=0.1)
+        train = opt.minimize(loss)
+        with tf.control_dependencies([train]):
+            train = tf.group(make_ema_after_apply()())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for k in (0, 2):
+                sess.run(train, {x: xs[k], y: Y[k]})
+            want = values()
+    with tf.Graph().as_default():
+        unrolled = ms.unroll(ema_loss, ms.RuleOptimizer(ms.rules.sgd(), learning_rate=0.1), 3,
+                             inputs=(tf.constant(xs[:3]), tf.constant(Y[:3])), nonfinite="skip",
+                             after_apply=make_ema_after_apply())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            sess.run(unrolled.train_op)
+            assert sess.run(unrolled.skipped_steps) == 1
+            got = {k: v for k, v in values().items() if k != "multistep/skipped_steps"}
+    assert_bitwise(got, want)
+
+
+def test_mod_b_reassignment_after_a_stock_optimizer():
+    # Seed thread 001: the regular optimizer step, then the weights taken mod B.
+    def after():
+        [w] = V1.trainable_variables()
+        return V1.assign(w, tf.math.floormod(w, 0.5))
+
+    want = single_steps(ema_loss, OPTIMIZERS["Momentum"], 6, after)
+    got, _ = fused_steps(ema_loss, OPTIMIZERS["Momentum"], 3, 2, after_apply=after)
+    assert_bitwise(got, want)
+    assert np.all((got["w"] >= 0) & (got["w"] < 0.5))
+
+
+def test_a_dangling_counter_is_refused_by_name():
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        counter = V1.get_variable("calls", initializer=0, trainable=False)
+        counter.assign_add(1, name="count_calls")  # nothing depends on it
+        return w * w
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"count_calls.*never run") as info:
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
+    assert "UPDATE_OPS" in str(info.value) and "after_apply" in str(info.value)
+
+
+def test_an_after_apply_op_it_does_not_return_is_refused():
+    def after():
+        [w] = V1.trainable_variables()
+        V1.assign(w, w * 0.5, name="forgotten")
+        return None
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match="forgotten"):
+        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                  V1.train.GradientDescentOptimizer(0.1), 2, after_apply=after)
+
+
+def test_a_print_nothing_depends_on_is_refused():
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        tf.print("loss", w, name="lost_print")
+        return w * w
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match="lost_print"):
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 2)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_state_a_step_writes_is_watched_by_the_stale_forward_check(mode):
+    # loss_avg is written by every step (an update op) and read once, outside loss_fn: every
+    # step after the first would use the value from before the run.
+    with tf.Graph().as_default():
+        loss_avg = V1.get_variable("loss_avg", initializer=1.0, trainable=False)
+        norm = tf.maximum(loss_avg.read_value(), 1e-3)
+
+        def loss_fn():
+            w = V1.get_variable("w", initializer=2.0)
+            loss = w * w / norm
+            V1.add_to_collection(UPDATE_OPS, loss_avg.assign(0.9 * loss_avg + 0.1 * loss))
+            return loss
+
+        with pytest.raises(ms.StaleForwardError, match="loss_avg"):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, mode=mode)
+
+
+@pytest.mark.parametrize("bad,error", [("yes", ValueError), (1, ValueError), (None, ValueError)])
+def test_bad_update_ops(bad, error):
+    with tf.Graph().as_default(), pytest.raises(error, match="update_ops"):
+        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                  V1.train.GradientDescentOptimizer(0.1), 2, update_ops=bad)
+
+
+def test_after_apply_must_be_callable_and_return_ops():
+    loss = lambda: V1.get_variable("w", initializer=1.0) ** 2  # noqa: E731
+    with tf.Graph().as_default(), pytest.raises(TypeError, match="after_apply"):
+        ms.unroll(loss, V1.train.GradientDescentOptimizer(0.1), 2, after_apply=V1.no_op())
+    with tf.Graph().as_default(), pytest.raises(TypeError, match="after_apply must return"):
+        ms.unroll(loss, V1.train.GradientDescentOptimizer(0.1), 2, after_apply=lambda: 3.0)
