@@ -10,7 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 EXPECTED = {  # a line each example must print: evidence it did its job
+    "batch_norm.py": "(weights, slots, moving statistics): all bitwise equal",
     "blobs_three_steps.py": "refused: ",
+    "ema_and_projection.py": "OK",
     "verify_my_model.py": "(bitwise equal)",
     "clipped_adam.py": "Adam accumulated the clipped gradients",
     "compact_domain_sgd.py": "(bitwise equal)",
