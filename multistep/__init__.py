@@ -13,7 +13,7 @@ import types
 _NAMES = {
     "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
     "unroll": "unroll",
-    "Report": "verify", "verify": "verify",
+    "Report": "verify", "session_config": "verify", "verify": "verify",
     "RuleOptimizer": "rules",
     "StaleForwardError": "lint",
     "add_noise": "transforms", "chain": "transforms", "clip_by_global_norm": "transforms",

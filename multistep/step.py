@@ -18,8 +18,10 @@ after_apply's), with the names a single-step graph gives them.
 
 import contextlib
 import dataclasses
+import sys
 
 import tensorflow as tf
+from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
 
 from multistep import lint, transforms
 
@@ -44,6 +46,8 @@ class Step:
     label: str = "multistep"
     skipped: object = None
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
+    names: object = None  # the name counters as step 1 found them
+    tape_sums_alike: bool = True  # False: step 1's gradient has a sum Grappler reorders by name
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -54,11 +58,16 @@ class Step:
         self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
         graph = tf.compat.v1.get_default_graph()
         first_op, created = len(graph.get_operations()), len(self.guard.created)
-        tape = _tape_for(self.optimizer, self.var_list) if k != 1 else None
+        tape = (_tape_for(self.optimizer, self.var_list)
+                if k != 1 and self.tape_sums_alike else None)
         with tf.control_dependencies(deps):
             updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
             known_updates = len(updates)
-            with self.guard.scope("forward"), _reuse_variables(k != 1), tape or contextlib.nullcontext():
+            if k == 1:
+                self.names = _NameCounters.read()
+            with (self.guard.scope("forward"), _reuse_variables(k != 1),
+                  self.names.restored() if k != 1 else contextlib.nullcontext(),
+                  tape or contextlib.nullcontext()):
                 if tape is not None:
                     tape.watch(self.var_list)
                 loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, step)
@@ -70,7 +79,7 @@ class Step:
             forward = graph.get_operations()[first_op:]
             run_first = self._update_ops(collected, forward, initializers)
             with tf.control_dependencies(run_first):
-                outputs, apply_op = self._descend(k, loss, tape)
+                outputs, apply_op = self._descend(k, loss, tape, forward)
         end = apply_op if self.nonfinite == "skip" else self._after(apply_op)
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
@@ -79,11 +88,11 @@ class Step:
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
         return outputs, end
 
-    def _descend(self, k, loss, tape):
+    def _descend(self, k, loss, tape, forward):
         """Gradients (from ``tape`` where there is one), transforms, records, checks and
         the apply of step ``k``'s ``loss``: (outputs, the apply op)."""
         with self.guard.scope("gradients"):
-            grads_and_vars = self._gradients(loss, tape)
+            grads_and_vars = self._gradients(k, loss, tape, forward)
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
@@ -103,15 +112,27 @@ class Step:
                 return outputs, self._apply_if(finite, grads_and_vars)
             return outputs, self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
 
-    def _gradients(self, loss, tape):
+    def _gradients(self, k, loss, tape, forward):
+        first = isinstance(k, int) and k == 1  # else steps 2..N (the loop body passes a tensor)
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        grads_and_vars = None
         if tape is not None:
             grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
-        if tape is None or any(g is None for g, _ in grads_and_vars):
+            if _reorderable_sums(graph.get_operations()[start:]):
+                self.tape_sums_alike = False  # the tape's sums would sort otherwise
+                grads_and_vars = None
+        elif not first and not self.tape_sums_alike:
+            grads_and_vars = _gradients_through_reads(loss, self.var_list, forward)
+        if grads_and_vars is None or any(g is None for g, _ in grads_and_vars):
             # No tape, or the tape missed a variable step 1 had a gradient for: it
             # was read outside this step (stale). tf.gradients follows that read,
             # so the stale-forward check can name it.
+            start = len(graph.get_operations())
             grads_and_vars = self.optimizer.compute_gradients(
                 loss, var_list=list(self.var_list) if self.var_list else None)
+            if first and _reorderable_sums(graph.get_operations()[start:]):
+                self.tape_sums_alike = False
         if self.var_list is None:
             grads_and_vars = _trained_pairs(grads_and_vars)
             self.var_list = tuple(v for _, v in grads_and_vars)
@@ -205,6 +226,73 @@ def _after_apply_ops(returned, step):
     return [v.op if isinstance(v, tf.Variable) else v for v in flat]
 
 
+_SUMS = ("AddN", "Add", "AddV2")
+
+
+def _reorderable_sums(ops):
+    """Whether ``ops`` (one gradient computation) sum three or more terms.
+
+    Grappler's common-subgraph elimination (run only when the arithmetic
+    optimizer is on) sorts the inputs of every commutative op by name, and the
+    arithmetic optimizer's AddOpsRewrite flattens Add/AddN trees into one AddN,
+    sorted so on the next pass. Two terms add up the same either way round;
+    three or more do not, and tf.gradients (``.../<op>_grad/...``) and a
+    GradientTape (``gradient_tape/<op's scope>/...``) name the same terms so
+    that they sort differently.
+    """
+    sums = [op for op in ops if op.type in _SUMS]
+    made = set(sums)
+    return any((op.type == "AddN" and len(op.inputs) > 2)
+               or any(t.op in made for t in op.inputs) for op in sums)
+
+
+def _gradients_through_reads(loss, var_list, forward):
+    """``compute_gradients``' result for this step, differentiated from this step's
+    ReadVariableOps instead of from the variables.
+
+    From a variable, tf.gradients walks every step that reads it (O(N^2) to
+    build); from this step's reads it walks this step. Each read's gradient is
+    the tensor tf.gradients would sum at the variable, named alike under this
+    step's scope, so Grappler orders the sum as in step 1. None (use
+    compute_gradients) when a variable is used here other than through
+    ReadVariableOp (ResourceGather, ...) or not at all, or a term is sparse.
+    """
+    if any(v.op.type != "VarHandleOp" for v in var_list):
+        return None
+    handles = _handles_here(var_list)
+    if any(h is None for h in handles):
+        return None
+    uses = {h.ref(): [] for h in handles}
+    for op in forward:
+        for t in op.inputs:
+            if t.ref() in uses:
+                uses[t.ref()].append(op)
+    reads = [op for h in handles for op in uses[h.ref()]]
+    if not all(uses.values()) or any(op.type != "ReadVariableOp" for op in reads):
+        return None
+    grads = dict(zip(reads, tf.compat.v1.gradients(
+        loss, [op.outputs[0] for op in reads], gate_gradients=True)))
+    out = []
+    for v, h in zip(var_list, handles):
+        terms = [grads[op] for op in uses[h.ref()] if grads[op] is not None]
+        if any(not isinstance(t, tf.Tensor) for t in terms):
+            return None
+        # tf.gradients sums at the variable in the order the backward pass
+        # completed the reads' gradients (matters only with Grappler off).
+        terms.sort(key=lambda t: t.op._id)
+        out.append((None if not terms else terms[0] if len(terms) == 1
+                    else tf.math.add_n(terms), v))
+    return out
+
+
+def _handles_here(var_list):
+    """Each variable's handle as the current graph sees it: in a loop body or a compiled
+    program, the placeholder that captures it (None where it is not captured)."""
+    graph = tf.compat.v1.get_default_graph()
+    captured = {outer.ref(): inner for outer, inner in getattr(graph, "captures", ())}
+    return [v.handle if v.handle.graph is graph else captured.get(v.handle.ref()) for v in var_list]
+
+
 def _tape_for(optimizer, var_list):
     """A GradientTape for steps 2..N when it computes what compute_gradients would.
 
@@ -286,6 +374,10 @@ class CreationGuard:
                 f"{self.step}; variables must be created on the first call and "
                 f"reused after (create Keras layers outside loss_fn, use "
                 f"tf.compat.v1.get_variable, or create the variables before ms.unroll).")
+        # A caching_device (dynamic_rnn sets one) makes the variable's value a read cached
+        # once per sess.run: every step after the first would reuse it. Without one, each
+        # step reads the variable itself; the value read is the same, so single steps match.
+        kwargs["caching_device"] = None
         current = self.graph.get_name_scope() + "/"
         if self._prefix is None or not current.startswith(self._prefix):
             variable = next_creator(**kwargs)
@@ -303,6 +395,52 @@ def _reuse_variables(reuse):
         return contextlib.nullcontext()
     return tf.compat.v1.variable_scope(
         tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NameCounters:
+    """The per-graph counters that number unnamed layers and variable scopes.
+
+    An unnamed ``tf.compat.v1.layers.dense`` (tf-keras) or a
+    ``variable_scope(None, default_name="block")`` takes the next free name
+    (``dense``, ``dense_1``, ...) each time it is called; ``loss_fn`` is called
+    once per step, so step 2 would ask for ``dense_1/kernel``. Steps 2..N run
+    ``loss_fn`` with the counters as step 1 found them, so they ask for step 1's
+    names and reuse its variables; afterwards the counters are put back as step
+    1 left them, as a single-step graph leaves them.
+    """
+
+    keras_uids: dict
+    scope_counts: dict
+
+    @staticmethod
+    def _keras_uid_map():
+        backend = sys.modules.get("tf_keras.src.backend")  # only if tf-keras is in use
+        return backend.get_default_graph_uid_map() if backend is not None else None
+
+    @classmethod
+    def read(cls):
+        uids = cls._keras_uid_map()
+        return cls(dict(uids) if uids is not None else {},
+                   dict(variable_scope_lib.get_variable_scope_store().variable_scopes_count))
+
+    def write(self):
+        uids = self._keras_uid_map()
+        if uids is not None:
+            uids.clear()
+            uids.update(self.keras_uids)
+        counts = variable_scope_lib.get_variable_scope_store().variable_scopes_count
+        counts.clear()
+        counts.update(self.scope_counts)
+
+    @contextlib.contextmanager
+    def restored(self):
+        after = _NameCounters.read()
+        self.write()
+        try:
+            yield
+        finally:
+            after.write()
 
 
 def _call_loss_fn(loss_fn, args, step):

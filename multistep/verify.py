@@ -15,7 +15,35 @@ import tensorflow as tf
 
 from multistep.unroll import positive_int as _positive_int
 
-__all__ = ["Report", "verify"]
+__all__ = ["Report", "session_config", "verify"]
+
+
+def session_config(base=None):
+    """A session configuration under which fused and single steps are bitwise in every
+    model tested: ``base`` (or a new ``ConfigProto``) with Grappler's common-subgraph
+    elimination off.
+
+    That pass sorts the inputs of every ``AddN`` by name before the sum runs. A weight
+    read k >= 3 times has a gradient that is a sum of k terms, and the fused graph's
+    steps name theirs differently from a single step's, so the sum can round
+    differently. ``ms.unroll`` builds its steps so that the names sort alike; the one
+    case measured where they still do not is loop mode with Adam on a weight shared by
+    three towers (optimizer slots 1e-8 apart): see the README's "Models" section.
+
+    Example:
+      >>> import tensorflow as tf, multistep as ms
+      >>> config = ms.session_config()
+      >>> config.graph_options.rewrite_options.common_subgraph_elimination
+      2
+    """
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    config = tf.compat.v1.ConfigProto()
+    if base is not None:
+        config.CopyFrom(base)
+    config.graph_options.rewrite_options.common_subgraph_elimination = (
+        rewriter_config_pb2.RewriterConfig.OFF)
+    return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +100,7 @@ class Report:
         return "\n".join([self.summary(), f"  {'name':<{width}}  max |Δ|"] + rows)
 
 
-def verify(build_fn, steps, *, runs=4, atol=0.0, progress=None):
+def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None):
     """Checks that ``steps``-step runs equal single steps, from identical initial values.
 
     Args:
@@ -84,6 +112,9 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, progress=None):
       steps: inner steps per fused run (>= 1).
       runs: fused runs to compare (>= 1).
       atol: allowed max |Δ|; 0.0 asks for exact equality.
+      config: the ``tf.compat.v1.ConfigProto`` of both sessions; default: TensorFlow's
+        default (what your training runs with). ``ms.session_config()`` turns off the
+        Grappler pass that can reorder sums.
       progress: optional callable ``(runs done, runs)``, called after each run.
 
     Returns:
@@ -102,8 +133,8 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, progress=None):
     runs = _positive_int("runs", runs)
     if not isinstance(atol, numbers.Real) or not atol >= 0:
         raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
-    fused = _Program(build_fn, steps)
-    single = _Program(build_fn, 1)
+    fused = _Program(build_fn, steps, config)
+    single = _Program(build_fn, 1, config)
     try:
         names = _matching_names(fused, single)
         fused.load(single.values())
@@ -139,7 +170,7 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, progress=None):
 class _Program:
     """One build of the model in its own graph and session."""
 
-    def __init__(self, build_fn, steps):
+    def __init__(self, build_fn, steps, config=None):
         self.steps = steps
         self.graph = tf.Graph()
         with self.graph.as_default():
@@ -169,7 +200,7 @@ class _Program:
             init = [tf.compat.v1.global_variables_initializer(),
                     tf.compat.v1.local_variables_initializer()]
             self.graph.finalize()
-        self.session = tf.compat.v1.Session(graph=self.graph)
+        self.session = tf.compat.v1.Session(graph=self.graph, config=config)
         self.session.run(init)
 
     def run(self, index):

@@ -124,11 +124,31 @@ LEGACY = textwrap.dedent("""
         out = V1.layers.dense(h, 2, name="dense", kernel_initializer=V1.constant_initializer(0.05))
         return tf.reduce_mean(tf.square(out - y))
 
+    def unnamed(x, y, step):
+        # Unnamed layers and default-named scopes: step 1 names them dense, dense_1, block;
+        # every later step must ask for the same names (loss_fn is called once per step).
+        h = V1.layers.dense(V1.layers.flatten(x), 4, kernel_initializer=V1.constant_initializer(0.1))
+        with V1.variable_scope(None, default_name="block"):
+            w = V1.get_variable("w", initializer=np.full((4, 2), 0.3, np.float32))
+        out = V1.layers.dense(tf.matmul(tf.tanh(h), w), 2, kernel_initializer=V1.constant_initializer(0.2))
+        return tf.reduce_mean(tf.square(out - y))
+
+    def recurrent(cell_class):
+        # dynamic_rnn gives its variable scope a caching_device: each variable's value is then
+        # read once per sess.run and cached, so inside ms.unroll the cache is left out.
+        def model(x, y, step):
+            with V1.variable_scope("enc", reuse=V1.AUTO_REUSE,
+                                   initializer=V1.random_uniform_initializer(-0.5, 0.5, seed=3)):
+                cell = cell_class(3, name="cell")
+                out, _ = V1.nn.dynamic_rnn(cell, tf.reshape(x, [4, 5, 5]), dtype=tf.float32)
+            return tf.reduce_mean(tf.square(out[:, -1, :2] - y))
+        return model
+
     def canonical(opt, steps):
         with tf.Graph().as_default():
             x, y = V1.placeholder(tf.float32, X.shape[1:]), V1.placeholder(tf.float32, Y.shape[1:])
             gs = V1.train.get_or_create_global_step()
-            loss = model(x, y, gs.read_value())
+            loss = MODEL(x, y, gs.read_value())
             with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
                 train = opt().minimize(loss, global_step=gs)
             with V1.Session(config=CONFIG) as sess:
@@ -142,7 +162,7 @@ LEGACY = textwrap.dedent("""
             gs = V1.train.get_or_create_global_step()
             xs = V1.placeholder(tf.float32, (steps,) + X.shape[1:])
             ys = V1.placeholder(tf.float32, (steps,) + Y.shape[1:])
-            u = ms.unroll(lambda x, y: model(x, y, gs.read_value()), opt(), steps, inputs=(xs, ys),
+            u = ms.unroll(lambda x, y: MODEL(x, y, gs.read_value()), opt(), steps, inputs=(xs, ys),
                           global_step=gs, mode=mode)
             with V1.Session(config=CONFIG) as sess:
                 sess.run(V1.global_variables_initializer())
@@ -153,19 +173,23 @@ LEGACY = textwrap.dedent("""
     opts = {"GradientDescent": lambda: V1.train.GradientDescentOptimizer(0.1),
             "Adam": lambda: V1.train.AdamOptimizer(0.01)}
     results = {}
-    for name, opt in opts.items():
+    for MODEL, name, opt in [(model, "GradientDescent", opts["GradientDescent"]),
+                             (model, "Adam", opts["Adam"]), (unnamed, "unnamed", opts["Adam"]),
+                             (recurrent(V1.nn.rnn_cell.LSTMCell), "lstm", opts["Adam"]),
+                             (recurrent(V1.nn.rnn_cell.GRUCell), "gru", opts["GradientDescent"])]:
         want = canonical(opt, 6)
         for mode in ("unrolled", "while_loop"):
             got = fused(opt, 3, 2, mode)
             results[f"{name}-{mode}"] = {
                 "names": sorted(got) == sorted(want),
                 "differ": sorted(n for n in want if got.get(n, np.zeros(0)).tobytes() != want[n].tobytes()),
-                "moving_mean_moved": bool(np.any(got["bn/moving_mean"] != 0))}
+                "moving_mean_moved": bool(np.any(got.get("bn/moving_mean", 1) != 0)),
+                "variables": sorted(want)}
     print(json.dumps(results))
 """)
 
 
-def test_tf1_layers_under_tf_keras_match_canonical_single_steps(tmp_path):
+def test_tf1_layers_named_and_unnamed_under_tf_keras_match_canonical_single_steps(tmp_path):
     script = tmp_path / "legacy.py"
     script.write_text(LEGACY)
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
@@ -174,6 +198,9 @@ def test_tf1_layers_under_tf_keras_match_canonical_single_steps(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout.strip().splitlines()[-1])
     assert sorted(results) == ["Adam-unrolled", "Adam-while_loop", "GradientDescent-unrolled",
-                               "GradientDescent-while_loop"]
+                               "GradientDescent-while_loop", "gru-unrolled", "gru-while_loop",
+                               "lstm-unrolled", "lstm-while_loop", "unnamed-unrolled",
+                               "unnamed-while_loop"]
+    assert {"dense/kernel", "dense_1/kernel", "block/w"} <= set(results["unnamed-unrolled"]["variables"])
     for case, r in results.items():
         assert r["names"] and r["differ"] == [] and r["moving_mean_moved"], (case, r)
