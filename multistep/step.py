@@ -46,6 +46,7 @@ class Step:
     label: str = "multistep"
     skipped: object = None
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
+    gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     names: object = None  # the name counters as step 1 found them
     tape_sums_alike: bool = True  # False: step 1's gradient has a sum Grappler reorders by name
 
@@ -59,7 +60,7 @@ class Step:
         graph = tf.compat.v1.get_default_graph()
         first_op, created = len(graph.get_operations()), len(self.guard.created)
         tape = (_tape_for(self.optimizer, self.var_list)
-                if k != 1 and self.tape_sums_alike else None)
+                if k != 1 and self.tape_sums_alike and not self.gradient_options else None)
         with tf.control_dependencies(deps):
             updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
             known_updates = len(updates)
@@ -122,7 +123,7 @@ class Step:
             if _reorderable_sums(graph.get_operations()[start:]):
                 self.tape_sums_alike = False  # the tape's sums would sort otherwise
                 grads_and_vars = None
-        elif not first and not self.tape_sums_alike:
+        elif not first and not self.tape_sums_alike and not self.gradient_options:
             grads_and_vars = _gradients_through_reads(loss, self.var_list, forward)
         if grads_and_vars is None or any(g is None for g, _ in grads_and_vars):
             # No tape, or the tape missed a variable step 1 had a gradient for: it
@@ -130,7 +131,8 @@ class Step:
             # so the stale-forward check can name it.
             start = len(graph.get_operations())
             grads_and_vars = self.optimizer.compute_gradients(
-                loss, var_list=list(self.var_list) if self.var_list else None)
+                loss, var_list=list(self.var_list) if self.var_list else None,
+                **self.gradient_options)
             if first and _reorderable_sums(graph.get_operations()[start:]):
                 self.tape_sums_alike = False
         if self.var_list is None:
@@ -312,7 +314,10 @@ def _records(record, optimizer, grads_and_vars):
     """This step's recorded quantities, float32 scalars."""
     out = {}
     if "grad_norm" in record:
-        out["grad_norm"] = tf.linalg.global_norm([g for g, _ in grads_and_vars if g is not None])
+        # In float32 whatever the variables' dtypes (float16, float64, mixed), as documented.
+        out["grad_norm"] = tf.linalg.global_norm([
+            tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+            for g, _ in grads_and_vars if g is not None])
     if "learning_rate" in record:
         lr = learning_rate_of(optimizer)
         out["learning_rate"] = tf.cast(lr() if callable(lr) else lr, tf.float32)

@@ -16,6 +16,8 @@ build time: a step that reads trained state outside its dependencies raises
 import dataclasses
 import numbers
 import re
+import time
+import warnings
 
 import tensorflow as tf
 
@@ -88,6 +90,8 @@ class InputExhaustedError(tf.errors.OutOfRangeError):
 
 NONFINITE = ("raise", "skip", "ignore")
 UPDATE_OPS = (True, False, "all")
+GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
+SLOW_BUILD_SECONDS = 10.0  # an unrolled build predicted to take longer gets a warning
 RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
@@ -98,7 +102,8 @@ class GraphTooLargeError(ValueError):
 
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
            global_step=None, update_ops=True, after_apply=None, mode="unrolled", xla=False,
-           record=(), nonfinite="raise", name="multistep"):
+           record=(), nonfinite="raise", gate_gradients=GATE_OP, aggregation_method=None,
+           colocate_gradients_with_ops=False, grad_loss=None, name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -158,6 +163,12 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         ``"skip"``: that step changes no weight and no slot, the global step
         still advances, and ``Unrolled.skipped_steps`` counts it (resource
         variables only). ``"ignore"``: apply it anyway.
+      gate_gradients, aggregation_method, colocate_gradients_with_ops, grad_loss:
+        ``minimize``'s own options, passed to ``optimizer.compute_gradients`` at
+        every step (the stale-forward check still applies). Set to anything
+        but their defaults, every step takes its gradients with
+        ``compute_gradients``, which walks all earlier steps: the build then
+        grows as N^2 in unrolled mode.
       name: name scope; steps appear as
         ``name/step_k/{forward,gradients,transform,apply,after_apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
@@ -199,10 +210,20 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         raise ValueError(f"update_ops must be one of {UPDATE_OPS}, got {update_ops!r}.")
     if after_apply is not None and not callable(after_apply):
         raise TypeError(f"after_apply must be a callable () -> ops, got {after_apply!r}.")
+    gradient_options = {}  # minimize's options that differ from their defaults
+    if gate_gradients != GATE_OP:
+        gradient_options["gate_gradients"] = gate_gradients
+    if aggregation_method is not None:
+        gradient_options["aggregation_method"] = aggregation_method
+    if colocate_gradients_with_ops:
+        gradient_options["colocate_gradients_with_ops"] = True
+    if grad_loss is not None:
+        gradient_options["grad_loss"] = grad_loss
     step = step_lib.Step(
         loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
         _check_transforms(grad_transforms), step_lib.CreationGuard(tf.compat.v1.get_default_graph()),
-        _check_record(record, optimizer), nonfinite, update_ops=update_ops, after_apply=after_apply)
+        _check_record(record, optimizer), nonfinite, update_ops=update_ops, after_apply=after_apply,
+        gradient_options=gradient_options)
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
         label = step.label = scope.rstrip("/")
@@ -211,8 +232,10 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         feed = Inputs(inputs, steps, xla=xla)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
+        started = time.perf_counter()
         with tf.name_scope("step_1"):
             first, end = step.build(1, feed.args(0), deps=[])
+        step_seconds = time.perf_counter() - started
         step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
         watched = {**lint.watched_variables(step.state()), **step.written}
         lint.warn_stateful_random(end, name=label)
@@ -220,6 +243,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             step_lib.check_resource_variables(step.state(), "mode='while_loop'")
         if mode == "unrolled" and steps > 1:
             _check_graph_size(graph, step_bytes, steps, label)
+            _warn_slow_build(step_seconds, steps, label)
 
         def rest(after):
             """Steps 2..N, after the op ``after`` (None: inside a program that starts
@@ -295,6 +319,17 @@ def _check_record(record, optimizer):
         raise ValueError(f"record: cannot find the learning rate of "
                          f"{type(optimizer).__name__} (no _learning_rate or _lr attribute).")
     return record
+
+
+def _warn_slow_build(step_seconds, steps, label):
+    """Warn before building an unrolled graph that step 1's build time predicts is slow."""
+    predicted = step_seconds * steps
+    if predicted > SLOW_BUILD_SECONDS:
+        warnings.warn(
+            f"{label}: step 1 took {step_seconds * 1e3:.0f} ms to build, so {steps} unrolled steps "
+            f"will take about {predicted:.0f} s to build (and their first run longer, and memory "
+            f"with N). mode='while_loop' builds step 1 and one loop body whatever N, about "
+            f"{2 * step_seconds:.1f} s here, with the same results.", RuntimeWarning, stacklevel=3)
 
 
 def _check_graph_size(graph, step_bytes, steps, label):

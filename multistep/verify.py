@@ -9,6 +9,7 @@ with those of ``steps`` single-step runs.
 
 import dataclasses
 import numbers
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -197,11 +198,11 @@ class _Program:
                 self._placeholders[name] = ph
                 assigns.append(v.assign(ph))
             self._load = tf.group(*assigns)
-            init = [tf.compat.v1.global_variables_initializer(),
-                    tf.compat.v1.local_variables_initializer()]
+            self._init = [tf.compat.v1.global_variables_initializer(), _local_init_op()]
             self.graph.finalize()
         self.session = tf.compat.v1.Session(graph=self.graph, config=config)
-        self.session.run(init)
+        for op in self._init:  # variables first: local init ops may read them
+            self.session.run(op)
 
     def run(self, index):
         feed = self.feed(index) if callable(self.feed) else self.feed
@@ -213,8 +214,25 @@ class _Program:
     def load(self, values):
         self.session.run(self._load, {self._placeholders[n]: values[n] for n in self._placeholders})
 
+    def rename(self, old, new):
+        """Report variable ``old`` under the name ``new``."""
+        self.variables[new] = self.variables.pop(old)
+        self._placeholders[new] = self._placeholders.pop(old)
+
     def close(self):
         self.session.close()
+
+
+def _local_init_op():
+    """What a ``MonitoredTrainingSession``'s scaffold runs after the variables'
+    initialiser: the ``LOCAL_INIT_OP`` collection if the model filled it, else the
+    local variables' and the tables' initialisers; and the initialiser of every
+    initialisable ``tf.data`` iterator in the graph (its ``MakeIterator`` op)."""
+    graph = tf.compat.v1.get_default_graph()
+    ops = graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_INIT_OP) or [
+        tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()]
+    iterators = [op for op in graph.get_operations() if op.type == "MakeIterator"]
+    return tf.group(*ops, *iterators, name="multistep_verify_local_init")
 
 
 def _name(variable):
@@ -222,7 +240,17 @@ def _name(variable):
 
 
 def _matching_names(fused, single):
+    """The variable names of both graphs, matched: by name, and where a name differs
+    only in a number that Keras counts per process (``seed_generator_1`` against
+    ``seed_generator``), by that role and the order the variables were made in."""
     a, b = set(fused.variables), set(single.variables)
+    if a != b:
+        renamed = _match_by_role([n for n in fused.variables if n not in b],
+                                 [n for n in single.variables if n not in a])
+        if renamed:
+            for fused_name, single_name in renamed.items():
+                fused.rename(fused_name, single_name)
+            a = set(fused.variables)
     if a != b:
         raise ValueError(
             f"the {fused.steps}-step and 1-step graphs have different variables "
@@ -234,6 +262,20 @@ def _matching_names(fused, single):
             raise ValueError(f"variable {n!r} has shape {fused.variables[n].shape} in the "
                              f"{fused.steps}-step graph and {single.variables[n].shape} in the 1-step graph.")
     return sorted(a)
+
+
+def _role(name):
+    return re.sub(r"_\d+(?=/|$)", "", name)
+
+
+def _match_by_role(fused_only, single_only):
+    """fused name -> single name, when the unmatched names pair up one to one by role
+    (the name without per-process counters) in creation order; else None."""
+    if len(fused_only) != len(single_only) or not fused_only:
+        return None
+    if [_role(n) for n in fused_only] != [_role(n) for n in single_only]:
+        return None
+    return dict(zip(fused_only, single_only))
 
 
 def _max_abs_diff(a, b):

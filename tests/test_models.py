@@ -127,3 +127,93 @@ def test_every_model_is_bitwise_under_the_session_config(model, mode):
     want = single_steps(MODELS[model], OPTIMIZERS["Adam"], 6, config=config)
     got = fused_steps(MODELS[model], OPTIMIZERS["Adam"], 3, 2, mode, config=config)
     assert all(got[n].tobytes() == want[n].tobytes() for n in want)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+@pytest.mark.parametrize("dtype", [tf.float16, tf.float64])
+def test_records_are_float32_whatever_the_variables_dtype(dtype, mode):
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=tf.constant([3.0, -4.0], dtype))
+        unrolled = ms.unroll(lambda: tf.reduce_sum(w * w), V1.train.GradientDescentOptimizer(0.1), 3,
+                             record=["grad_norm", "learning_rate"], mode=mode)
+        assert unrolled.records["grad_norm"].dtype == tf.float32
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            norms = sess.run(unrolled.records["grad_norm"])
+    # numpy reference in the variables' dtype: w := w - lr * 2w, norm of 2w. Step 1's norm,
+    # |2 * (3, -4)| = 10, is exact in every dtype. Later ones differ from the reference by
+    # the update's roundings in the variables' dtype (at most 2 per step, each at most half
+    # an ulp of |w| <= 4), and the record's float32: the cast and the norm's square, sum
+    # and root, each at most half a float32 ulp of values <= 10 (2 * eps32 * 10 in all).
+    # Bound: 2 steps * 2 roundings * eps(dtype) * 10 + 2 * eps32 * 10.
+    ref, w_np, lr = [], np.array([3.0, -4.0], dtype.as_numpy_dtype), dtype.as_numpy_dtype(0.1)
+    for _ in range(3):
+        ref.append(np.linalg.norm(2.0 * w_np.astype(np.float64)))
+        w_np = w_np - lr * (w_np + w_np)
+    assert norms[0] == 10.0
+    np.testing.assert_allclose(norms, ref, rtol=0, atol=(4 * np.finfo(dtype.as_numpy_dtype).eps + 2 * np.finfo(np.float32).eps) * 10)
+
+
+@pytest.mark.parametrize("options", [
+    {"gate_gradients": V1.train.Optimizer.GATE_GRAPH},
+    {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE},
+    {"colocate_gradients_with_ops": True},
+])
+def test_minimize_options_are_passed_to_compute_gradients(options):
+    want = single_steps_with(options, 6)
+    got = fused_steps_with(options, 3, 2)
+    assert all(got[n].tobytes() == want[n].tobytes() for n in want)
+
+
+def single_steps_with(options, steps):
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [4, 4])
+        train = V1.train.AdamOptimizer(0.05).minimize(rnn(x), **options)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for k in range(steps):
+                sess.run(train, {x: X[k]})
+            return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+
+def fused_steps_with(options, steps, runs):
+    with tf.Graph().as_default():
+        xs = V1.placeholder(tf.float32, [steps, 4, 4])
+        unrolled = ms.unroll(rnn, V1.train.AdamOptimizer(0.05), steps, inputs=(xs,), **options)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for r in range(runs):
+                sess.run(unrolled.train_op, {xs: X[r * steps:(r + 1) * steps]})
+            return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+
+def test_grad_loss_scales_every_step_and_the_stale_check_still_applies():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        fused = ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.25), 2,
+                          grad_loss=tf.constant(2.0))
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            sess.run(fused.train_op)
+            assert sess.run(w) == 0.0  # w -= 0.25 * 2 * 2w: 1 -> 0 -> 0
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        stale = w * w
+        with pytest.raises(ms.StaleForwardError):
+            ms.unroll(lambda: stale + 0.0, V1.train.GradientDescentOptimizer(0.25), 2,
+                      gate_gradients=V1.train.Optimizer.GATE_GRAPH)
+
+
+def test_a_slow_unrolled_build_warns_and_recommends_loop_mode(monkeypatch):
+    import importlib
+    import warnings
+
+    # any build counts as slow (the name `multistep.unroll` is the function: import the module)
+    monkeypatch.setattr(importlib.import_module("multistep.unroll"), "SLOW_BUILD_SECONDS", 0.0)
+    with tf.Graph().as_default(), pytest.warns(RuntimeWarning, match=r"will take about .*while_loop"):
+        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                  V1.train.GradientDescentOptimizer(0.1), 3)
+    with tf.Graph().as_default(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # loop mode: no warning
+        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                  V1.train.GradientDescentOptimizer(0.1), 3, mode="while_loop")

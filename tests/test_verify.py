@@ -88,13 +88,51 @@ def test_per_run_feeds():
     assert len(set(report.fused_losses.tolist())) == 12
 
 
-def test_unnamed_keras_layers_get_a_clear_error():
+def test_unnamed_keras_layers_are_matched_by_role():
     def build(steps):
         layer = keras.layers.Dense(2)  # numbered per process: dense_7, dense_8, ...
         return ms.unroll(lambda: tf.reduce_sum(layer(X)), V1.train.GradientDescentOptimizer(0.1), steps), {}
 
-    with pytest.raises(ValueError, match="different variables.*explicit names"):
+    report = ms.verify(build, steps=2)
+    assert report.ok and report.bitwise and len(report.per_variable) == 3  # kernel, bias, losses
+
+
+def test_builds_whose_variables_differ_get_a_clear_error():
+    def build(steps):
+        w = V1.get_variable("w", initializer=1.0)
+        if steps > 1:
+            V1.get_variable("only_in_the_fused_build", initializer=0.0)
+        return ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.1), steps), {}
+
+    with pytest.raises(ValueError, match="different variables.*only_in_the_fused_build"):
         ms.verify(build, steps=2)
+
+
+def test_keras3_dropout_seed_state_is_matched_by_role():
+    def build(steps):
+        drop = keras.layers.Dropout(0.5, seed=3, name="drop")  # seed_generator, seed_generator_1, ...
+        dense = keras.layers.Dense(2, name="dense", kernel_initializer="ones")
+        return ms.unroll(lambda: tf.reduce_sum(tf.square(dense(drop(X, training=True)))),
+                         V1.train.GradientDescentOptimizer(0.1), steps, update_ops="all"), {}
+
+    report = ms.verify(build, steps=3, runs=2)
+    assert report.ok and report.bitwise, report.summary()
+    assert any(name.endswith("seed_generator_state") for name in report.per_variable)
+
+
+def test_verify_initialises_tables_and_iterators_as_a_monitored_session_would():
+    def build(steps):
+        table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+            tf.constant([3, 5], tf.int64), tf.constant([0.5, 2.0])), default_value=0.0)
+        data = tf.data.Dataset.from_tensor_slices(np.array([3, 5, 5, 3, 7, 5] * 4, np.int64))
+        iterator = V1.data.make_initializable_iterator(data)
+        w = V1.get_variable("w", initializer=1.0)
+        return ms.unroll(lambda key: w * w * table.lookup(key), V1.train.GradientDescentOptimizer(0.1),
+                         steps, inputs=iterator), {}
+
+    report = ms.verify(build, steps=3, runs=2)
+    assert report.ok and report.bitwise, report.summary()
+    assert report.fused_losses[0] == 0.5  # looked up: key 3 -> 0.5, w = 1
 
 
 @pytest.mark.parametrize("returned", [None, "x", (1, 2, 3)])
