@@ -90,6 +90,8 @@ def _parser():
         "blobs", help="fit the make_blobs toy classifier with N-step runs beside 1-step runs")
     blobs.add_argument("--steps", type=_positive, default=3, help="inner steps per sess.run (default 3)")
     blobs.add_argument("--runs", type=_positive, default=12, help="N-step runs (default 12)")
+    blobs.add_argument("--mode", choices=MODES, default="unrolled",
+                       help="unrolled (N copies of the step) or while_loop (one loop body, for large N)")
     blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
@@ -197,10 +199,11 @@ def _blobs(args):
     else:
         optimizer = f"{type(blobs.make_optimizer(args.optimizer, args.lr)).__name__}(lr={args.lr:g})"
     build = functools.partial(blobs.build, optimizer=args.rule or args.optimizer, lr=args.lr,
-                              seed=args.seed, grad_transforms=transforms, modulus=args.modulus)
+                              seed=args.seed, grad_transforms=transforms, modulus=args.modulus,
+                              mode=args.mode)
     n = args.steps
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
-          f"dense 2->2 from ones; {optimizer}"
+          f"dense 2->2 from ones; {optimizer}; mode={args.mode}"
           + "".join(f"; {t.__name__}" for t in transforms))
     print(f"{args.runs} runs of {n} steps (one sess.run each) beside "
           f"{args.runs * n} runs of 1 step; ► r marks the first step of {n}-step run r\n")

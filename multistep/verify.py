@@ -255,8 +255,10 @@ def _matching_names(fused, single):
         raise ValueError(
             f"the {fused.steps}-step and 1-step graphs have different variables "
             f"(only in {fused.steps}-step: {sorted(a - b)}; only in 1-step: "
-            f"{sorted(b - a)}), so they cannot be matched by name. Give layers "
-            f"explicit names (Keras numbers unnamed layers per process: dense, dense_1, ...).")
+            f"{sorted(b - a)}), and they do not pair up by role either (the same names "
+            f"but for Keras's per-process counters, made in the same order). build_fn must "
+            f"build the same variables whatever steps it is given; naming the layers "
+            f"explicitly makes a mismatch easier to read.")
     for n in a:
         if fused.variables[n].shape != single.variables[n].shape:
             raise ValueError(f"variable {n!r} has shape {fused.variables[n].shape} in the "
