@@ -13,6 +13,7 @@ build time: a step that reads trained state outside its dependencies raises
 ``StaleForwardError``.
 """
 
+import collections
 import dataclasses
 import numbers
 import re
@@ -35,18 +36,27 @@ class Unrolled:
     """The N-step program: run ``train_op`` once for N steps.
 
     Attributes:
-      train_op: the last inner step's apply; running it runs all N steps.
-      losses: float32 ``[N]``, the loss of each inner step before its apply.
+      train_op: the last inner step's apply; running it runs all N steps
+        (loop mode: ``steps_per_run`` steps).
+      losses: float32 ``[N]`` (loop mode: ``[steps_per_run]``, static shape
+        ``[None]``), the loss of each inner step before its apply.
         It depends on ``train_op``: fetching it (alone or with ``train_op``)
-        runs the N steps exactly once.
+        runs the steps exactly once.
       records: name -> float32 ``[N]`` for each quantity asked for with
         ``record=`` (``"grad_norm"``, ``"learning_rate"``), like ``losses``.
-      steps: N.
+      steps: N, the steps of one run (loop mode: the most of one run).
       var_list: the variables trained, in order.
       name: the name scope holding ``step_1`` ... ``step_N``.
       global_step: the global step variable, or None.
       skipped_steps: with ``nonfinite="skip"``, an int64 variable counting the
         steps skipped for non-finite values; else None.
+      steps_per_run: loop mode (``mode="while_loop"``, with or without XLA): the
+        local int32 variable (``LOCAL_VARIABLES``, so never in a checkpoint)
+        whose value is the number of steps the next runs make, ``1..steps``;
+        its initial value is ``steps``. Set it with ``set_steps_per_run``.
+        ``local_variables_initializer`` (which MonitoredTrainingSession runs)
+        initialises it; until then the loop makes ``steps`` steps. Unrolled
+        mode: None (the graph holds exactly ``steps`` copies of the step).
     """
 
     train_op: tf.Operation
@@ -57,9 +67,11 @@ class Unrolled:
     records: dict = dataclasses.field(default_factory=dict)
     global_step: object = None
     skipped_steps: object = None
+    steps_per_run: object = None
+    _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
 
     def run(self, session, feed_dict=None):
-        """Runs the N steps once; returns their losses (numpy ``[N]``).
+        """Runs the steps once; returns their losses (numpy ``[N]``, loop mode ``[steps_per_run]``).
 
         If a ``tf.data`` input runs out in the middle of the run, the steps
         before stay applied and ``InputExhaustedError`` says how many.
@@ -69,16 +81,47 @@ class Unrolled:
         except tf.errors.OutOfRangeError as error:
             raise InputExhaustedError(self._exhausted_message(session, error), error) from error
 
+    def set_steps_per_run(self, session, n):
+        """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop mode only.
+
+        No rebuild and no new op: it runs an assign op built by ``ms.unroll``, so
+        it works on a finalized graph (MonitoredTrainingSession) and through a
+        ``MonitoredSession`` as well as a plain ``Session``. ``losses`` and
+        ``records`` then hold ``n`` values. The value is a local variable: a new
+        session starts again from ``steps``.
+        """
+        if self._run_length is None:
+            raise TypeError(
+                f"{self.name}: set_steps_per_run needs mode='while_loop'; in mode='unrolled' "
+                f"the graph holds exactly {self.steps} copies of the step, so every run makes "
+                f"{self.steps} steps. Build with mode='while_loop' (graph size independent of N) "
+                f"to vary the run length without a rebuild.")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{self.name}: steps per run must be an int, got {n!r} "
+                            f"({type(n).__name__}).")
+        if not 1 <= n <= self.steps:
+            raise ValueError(
+                f"{self.name}: steps per run must be in 1..{self.steps} (the most a run was "
+                f"built for: ms.unroll(..., steps={self.steps})), got {n}.")
+        session.run(self._run_length.assign, {self._run_length.value: int(n)})
+
     def _exhausted_message(self, session, error):
         where = re.search(rf"{re.escape(self.name)}/step_(\d+)/", getattr(error.op, "name", "") or "")
+        length = self.steps if self._run_length is None else session.run(self._run_length.read)
         if where:
-            done = f"the first {int(where.group(1)) - 1} of its {self.steps} steps were applied"
+            applied = int(where.group(1)) - 1
+        elif self._run_length is not None and self._run_length.done is not None:
+            applied = session.run(self._run_length.done)  # the loop counts the steps it ended
+        else:
+            applied = None
+        if applied is not None:
+            done = f"the first {applied} of its {length} steps were applied"
         else:
             done = "the steps before the missing batch were applied"
         if self.global_step is not None:
             done += f"; the global step is now {session.run(self.global_step)}"
         return (f"{self.name}: the input ran out during a run: {done}. Re-initialise or "
-                f"repeat the dataset, or make it a multiple of {self.steps} batches long.")
+                f"repeat the dataset, or make it a multiple of {length} batches long.")
 
 
 class InputExhaustedError(tf.errors.OutOfRangeError):
@@ -230,6 +273,8 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         if nonfinite == "skip":
             step.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
         feed = Inputs(inputs, steps, xla=xla)
+        run_length = (_run_length(steps, count_done=feed.iterator is not None)
+                      if mode == "while_loop" else None)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
         started = time.perf_counter()
@@ -245,25 +290,28 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             _check_graph_size(graph, step_bytes, steps, label)
             _warn_slow_build(step_seconds, steps, label)
 
-        def rest(after):
-            """Steps 2..N, after the op ``after`` (None: inside a program that starts
-            after step 1): ({output name: [N-1] values}, the op that ends them)."""
+        def rest(after, count):
+            """Steps 2..N (loop mode: 2..count), after the op ``after`` (None: inside a
+            program that starts after step 1): ({output name: [N-1] values}, the op
+            that ends them)."""
             if mode == "while_loop":
-                return _loop(step, feed, steps, after, watched, label)
+                return _loop(step, feed, steps, after, watched, label, count, run_length.done)
             return _chain(step, feed, steps, after, watched, label)
 
+        count = run_length.read if run_length is not None else None
         if steps == 1:
             later, last = {}, end
         elif xla:
-            program = tf.function(lambda: rest(None)[0], jit_compile=True, autograph=False)
+            program = tf.function(lambda count: rest(None, count)[0], jit_compile=True,
+                                  autograph=False)
             with tf.control_dependencies([end]):
-                later = program()
-            program_graph = program.get_concrete_function().graph
+                later = program(count)
+            program_graph = program.get_concrete_function(count).graph
             lint.check_captures(program_graph, watched, name=label)
             lint.warn_random_under_xla(program_graph, name=label)
             last = next(iter(later.values())).op
         else:
-            later, last = rest(end)
+            later, last = rest(end, count)
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
             outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
@@ -271,7 +319,9 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                        for key in first}
     return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
                     var_list=tuple(step.var_list), name=label, records=outputs,
-                    global_step=step.global_step, skipped_steps=step.skipped)
+                    global_step=step.global_step, skipped_steps=step.skipped,
+                    steps_per_run=run_length.variable if run_length else None,
+                    _run_length=run_length)
 
 
 def _chain(step, feed, steps, end, watched, label):
@@ -288,24 +338,57 @@ def _chain(step, feed, steps, end, watched, label):
     return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end
 
 
-def _loop(step, feed, steps, after, watched, label):
-    """Steps 2..N as one ``tf.while_loop`` body; the body reads state after the previous apply."""
+def _loop(step, feed, steps, after, watched, label, count, done):
+    """Steps 2..count as one ``tf.while_loop`` body (``count`` <= ``steps``, read at run
+    time); the body reads state after the previous apply. ``done``: None, or a variable
+    the loop sets to the number of steps ended so far (for InputExhaustedError)."""
     bodies = []
 
     def body(i, arrays):
         bodies.append(tf.compat.v1.get_default_graph())
         out, end = step.build(i + 1, lambda: feed.args(i), deps=[i])
         with tf.control_dependencies([end]):
-            return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
+            ended = [] if done is None else [done.assign(i + 1, read_value=False)]
+            with tf.control_dependencies(ended):
+                return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
 
     keys = ["loss", *step.record]
     with tf.name_scope("loop"), tf.control_dependencies([after] if after is not None else []):
+        start = [] if done is None else [done.assign(1, read_value=False)]  # step 1 ended
+        with tf.control_dependencies(start):
+            first = tf.constant(1) if done is None else tf.identity(1)
         i, arrays = tf.while_loop(
-            lambda i, _: i < steps, body,
-            [tf.constant(1), {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
+            lambda i, _: i < count, body,
+            [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
             parallel_iterations=1, maximum_iterations=steps - 1, name="body")
     lint.check_captures(bodies[0], watched, name=label)
-    return {key: array.stack() for key, array in arrays.items()}, i.op
+    # Only the count - 1 written entries: a slice XLA compiles too (bounded dynamic shape).
+    return {key: array.stack()[:i - 1] for key, array in arrays.items()}, i.op
+
+
+_RunLength = collections.namedtuple("_RunLength", "variable value assign read done")
+
+
+def _run_length(steps, *, count_done):
+    """Loop mode's run length, built with the graph (a finalized graph takes no new op):
+    the local int32 variable ``steps_per_run`` (initial value ``steps``), a feed and an
+    assign op that set it, and what the loop reads: the variable, or ``steps`` while it
+    is uninitialised (a session that ran only global_variables_initializer). With
+    ``count_done`` (a tf.data input), also a local variable the loop sets to the steps
+    ended so far in a run, for InputExhaustedError's message."""
+    local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
+    variable = tf.compat.v1.Variable(steps, dtype=tf.int32, trainable=False, use_resource=True,
+                                     collections=local, name="steps_per_run")
+    with tf.compat.v1.name_scope(variable.op.name + "/"):
+        value = tf.compat.v1.placeholder(tf.int32, [], name="value")
+        assign = variable.assign(value, read_value=False, name="set")
+        read = tf.cond(variable.is_initialized(), variable.read_value,
+                       lambda: tf.constant(steps), name="count")
+    done = None
+    if count_done:
+        done = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
+                                     collections=local, name="steps_done")
+    return _RunLength(variable, value, assign, read, done)
 
 
 def _check_record(record, optimizer):
