@@ -48,7 +48,7 @@ class Step:
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     names: object = None  # the name counters as step 1 found them
-    tape_sums_alike: bool = True  # False: step 1's gradient has a sum Grappler reorders by name
+    tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -59,28 +59,30 @@ class Step:
         self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
         graph = tf.compat.v1.get_default_graph()
         first_op, created = len(graph.get_operations()), len(self.guard.created)
-        tape = (_tape_for(self.optimizer, self.var_list)
-                if k != 1 and self.tape_sums_alike and not self.gradient_options else None)
+        first = isinstance(k, int) and k == 1  # a loop body passes k as a tensor: steps 2..N
+        local = not first and not self.gradient_options and _local_gradients_apply(self.optimizer, self.var_list)
+        tape = (tf.GradientTape(watch_accessed_variables=False)
+                if local and self.tape_may_serve else None)
         with tf.control_dependencies(deps):
             updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
             known_updates = len(updates)
-            if k == 1:
+            if first:
                 self.names = _NameCounters.read()
-            with (self.guard.scope("forward"), _reuse_variables(k != 1),
-                  self.names.restored() if k != 1 else contextlib.nullcontext(),
+            with (self.guard.scope("forward"), _reuse_variables(not first),
+                  contextlib.nullcontext() if first else self.names.restored(),
                   tape or contextlib.nullcontext()):
                 if tape is not None:
                     tape.watch(self.var_list)
                 loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, step)
             collected = [_as_op(u) for u in updates[known_updates:]]
-            if k != 1:  # the collection keeps one step's update ops, as a single-step graph has
+            if not first:  # the collection keeps one step's update ops, as a single-step graph has
                 del updates[known_updates:]
             initializers = _initializers(self.guard.created[created:])
             created = len(self.guard.created)
             forward = graph.get_operations()[first_op:]
             run_first = self._update_ops(collected, forward, initializers)
             with tf.control_dependencies(run_first):
-                outputs, apply_op = self._descend(k, loss, tape, forward)
+                outputs, apply_op = self._descend(k, loss, local, tape, forward)
         end = apply_op if self.nonfinite == "skip" else self._after(apply_op)
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
@@ -89,11 +91,11 @@ class Step:
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
         return outputs, end
 
-    def _descend(self, k, loss, tape, forward):
+    def _descend(self, k, loss, local, tape, forward):
         """Gradients (from ``tape`` where there is one), transforms, records, checks and
         the apply of step ``k``'s ``loss``: (outputs, the apply op)."""
         with self.guard.scope("gradients"):
-            grads_and_vars = self._gradients(k, loss, tape, forward)
+            grads_and_vars = self._gradients(k, loss, local, tape, forward)
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
@@ -113,28 +115,39 @@ class Step:
                 return outputs, self._apply_if(finite, grads_and_vars)
             return outputs, self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
 
-    def _gradients(self, k, loss, tape, forward):
-        first = isinstance(k, int) and k == 1  # else steps 2..N (the loop body passes a tensor)
+    def _gradients(self, k, loss, local, tape, forward):
+        """``compute_gradients``' result for step ``k``.
+
+        Step 1 calls ``compute_gradients``. From a variable, ``tf.gradients`` walks
+        every op that reads it, which in an unrolled graph is every earlier step
+        (an O(N^2) build), so where the result is the same (``local``) steps 2..N
+        differentiate from this step's own reads (``_gradients_through_reads``:
+        the terms get the names a single step gives them, so Grappler orders
+        their sums alike, and they sit under ``step_k/gradients``), or, for a
+        variable used other than by plain reads (a gather), with ``tape`` where
+        no sum of its could be reordered (``_reorderable_sums``).
+        """
         graph = tf.compat.v1.get_default_graph()
-        start = len(graph.get_operations())
         grads_and_vars = None
-        if tape is not None:
-            grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
-            if _reorderable_sums(graph.get_operations()[start:]):
-                self.tape_sums_alike = False  # the tape's sums would sort otherwise
-                grads_and_vars = None
-        elif not first and not self.tape_sums_alike and not self.gradient_options:
+        if local:
             grads_and_vars = _gradients_through_reads(loss, self.var_list, forward)
+            if grads_and_vars is not None:
+                self.tape_may_serve = False  # the reads serve: later steps record no tape
+            elif tape is not None:
+                start = len(graph.get_operations())
+                grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
+                if _reorderable_sums(graph.get_operations()[start:]):
+                    self.tape_may_serve = False  # its sums would sort otherwise
+                    grads_and_vars = None
         if grads_and_vars is None or any(g is None for g, _ in grads_and_vars):
-            # No tape, or the tape missed a variable step 1 had a gradient for: it
-            # was read outside this step (stale). tf.gradients follows that read,
-            # so the stale-forward check can name it.
+            # Step 1; or a variable read outside this step (stale): tf.gradients follows
+            # that read, so the stale-forward check can name it.
             start = len(graph.get_operations())
             grads_and_vars = self.optimizer.compute_gradients(
                 loss, var_list=list(self.var_list) if self.var_list else None,
                 **self.gradient_options)
-            if first and _reorderable_sums(graph.get_operations()[start:]):
-                self.tape_sums_alike = False
+            if isinstance(k, int) and k == 1 and _reorderable_sums(graph.get_operations()[start:]):
+                self.tape_may_serve = False
         if self.var_list is None:
             grads_and_vars = _trained_pairs(grads_and_vars)
             self.var_list = tuple(v for _, v in grads_and_vars)
@@ -295,19 +308,12 @@ def _handles_here(var_list):
     return [v.handle if v.handle.graph is graph else captured.get(v.handle.ref()) for v in var_list]
 
 
-def _tape_for(optimizer, var_list):
-    """A GradientTape for steps 2..N when it computes what compute_gradients would.
-
-    ``tf.gradients`` (inside ``compute_gradients``) walks forward from each
-    variable through every op that reads it, which in an unrolled graph is every
-    earlier step: building N steps costs O(N^2). A tape records this step's ops
-    only. It sees resource-variable reads, so ref variables keep
-    ``compute_gradients``, as does an optimizer that overrides it (loss scaling).
-    """
+def _local_gradients_apply(optimizer, var_list):
+    """Whether steps 2..N may take their gradients from their own ops instead of
+    ``compute_gradients``: the optimizer does not override it (loss scaling does), and
+    the variables are resource variables (a ref variable's reads alias it)."""
     stock = type(optimizer).compute_gradients is tf.compat.v1.train.Optimizer.compute_gradients
-    if stock and all(v.op.type == "VarHandleOp" for v in var_list):
-        return tf.GradientTape(watch_accessed_variables=False)
-    return None
+    return stock and all(v.op.type == "VarHandleOp" for v in var_list)
 
 
 def _records(record, optimizer, grads_and_vars):
