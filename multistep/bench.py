@@ -114,7 +114,7 @@ def _v1_method(mode, xla):
         with tf.Graph().as_default() as graph:
             gs = V1.train.get_or_create_global_step()
             optimizer = V1.train.AdamOptimizer(LEARNING_RATE)
-            if mode == "sess.run":
+            if mode in ("sess.run", "make_callable"):
                 op, calls = optimizer.minimize(_graph_loss_fn(problem)(), global_step=gs), steps
             else:
                 op = unroll(_graph_loss_fn(problem), optimizer, steps, global_step=gs, mode=mode,
@@ -124,12 +124,53 @@ def _v1_method(mode, xla):
             graph.finalize()
             with V1.Session() as sess:
                 sess.run(init)
+                # make_callable: the fastest way TF1 runs a fixed fetch, with sess.run's
+                # argument handling done once.
+                call = sess.make_callable(op) if mode == "make_callable" else lambda: sess.run(op)
 
                 def run_steps():
                     for _ in range(calls):
-                        sess.run(op)
+                        call()
                 return timing.per_step_us(run_steps, steps)
     return method
+
+
+class _Skipped(Exception):
+    """A method that cannot run here; its message is the table's note."""
+
+
+def _jax_method(problem, steps, timing):
+    """The same model and Adam in JAX: ``jit`` of a ``fori_loop`` of N optax steps."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        raise _Skipped("skipped: pip install '.[bench]' (jax, optax)") from None
+    jax.config.update("jax_platforms", "cpu")
+    params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in _initial_values(problem)]
+    x, y = jnp.asarray(problem.x), jnp.asarray(problem.y)
+    optimizer = optax.adam(LEARNING_RATE)
+
+    def loss(params):
+        h = x
+        for i, (w, b) in enumerate(params):
+            h = h @ w + b
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    def step(_, state):
+        params, opt_state = state
+        updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    run = jax.jit(lambda state: jax.lax.fori_loop(0, steps, step, state))
+    state = [(params, optimizer.init(params))]
+
+    def run_steps():
+        state[0] = jax.block_until_ready(run(state[0]))
+    return timing.per_step_us(run_steps, steps)
 
 
 def _tf2_method(jit):
@@ -186,6 +227,7 @@ def _keras_method(problem, steps, timing):
 
 METHODS = {
     "sess.run x N": _v1_method("sess.run", False),
+    "make_callable x N": _v1_method("make_callable", False),
     "unrolled": _v1_method("unrolled", False),
     "unrolled+xla": _v1_method("unrolled", True),
     "while_loop": _v1_method("while_loop", False),
@@ -193,8 +235,9 @@ METHODS = {
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
     "keras spe=N": _keras_method,
+    "jax fori_loop": _jax_method,
 }
-BASELINE = "sess.run x N"
+BASELINES = ("sess.run x N", "make_callable x N")
 # Unrolled XLA compiles N copies of the step; past this N the compile takes minutes.
 MAX_UNROLLED_XLA_STEPS = 100
 
@@ -220,7 +263,10 @@ def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05, keras_s
     if method == "unrolled+xla" and steps > MAX_UNROLLED_XLA_STEPS:
         return Result(problem, steps, method, float("nan"), float("nan"), float("nan"),
                       f"skipped: N > {MAX_UNROLLED_XLA_STEPS} (compile time)")
-    samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s, keras_steps))
+    try:
+        samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s, keras_steps))
+    except _Skipped as skipped:
+        return Result(problem, steps, method, float("nan"), float("nan"), float("nan"), str(skipped))
     q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
     return Result(problem, steps, method, statistics.median(samples), q[0], q[2])
 
@@ -276,28 +322,34 @@ def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, keras_st
 
 
 def table(results):
-    """The results as text: µs per step, spread, and speed-up over N x sess.run.
+    """The results as text: µs per step, spread, and speed-ups over N x sess.run and over
+    N x make_callable (TF1's fastest single steps), where both were measured.
 
     A figure whose spread is as large as itself is marked unreliable and given
     no ratio; nor is a ratio against an unreliable baseline.
     """
-    base = {(r.problem, r.steps): r for r in results if r.method == BASELINE}
-    lines = [f"{'problem':<7} {'N':>5}  {'method':<16} {'µs/step':>9} {'spread (IQR)':>17} "
-             f"{'speed-up vs sess.run x N':>25}"]
+    bases = {name: {(r.problem, r.steps): r for r in results if r.method == name}
+             for name in BASELINES}
+    lines = [f"{'problem':<7} {'N':>5}  {'method':<18} {'µs/step':>9} {'spread (IQR)':>17} "
+             + " ".join(f"{'vs ' + name:>21}" for name in BASELINES)]
     for r in results:
         if np.isnan(r.median_us):
-            lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {'—':>9} {'':>17} {r.note:>25}")
+            lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<18} {'—':>9} {'':>17} {r.note}")
             continue
-        reference = base.get((r.problem, r.steps))
-        if not r.reliable:
-            ratio = "unreliable: spread > value"
-        elif reference is None or not reference.reliable:
-            ratio = "— (baseline unreliable)" if reference is not None else "—"
-        else:
-            ratio = f"{reference.median_us / r.median_us:.2f}x"
-        lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<16} {r.median_us:>9.2f} "
-                     f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} {ratio:>25}")
+        ratios = [_ratio(r, base.get((r.problem, r.steps))) for base in bases.values()]
+        lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<18} {r.median_us:>9.2f} "
+                     f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} " + " ".join(f"{x:>21}" for x in ratios))
     return "\n".join(lines)
+
+
+def _ratio(result, reference):
+    if not result.reliable:
+        return "unreliable (spread)"
+    if reference is None:
+        return "—"
+    if not reference.reliable:
+        return "— (base unreliable)"
+    return f"{reference.median_us / result.median_us:.2f}x"
 
 
 def graph_table(costs):
