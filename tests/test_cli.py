@@ -30,7 +30,7 @@ def test_blobs_prints_the_side_by_side_table_and_verifies(tmp_path):
     # ln 2: both logits equal at ones. The bound is the printed precision, 8 decimals (5e-9),
     # plus the float32 loss itself: log within 1 ulp (2u, u = 2^-24), then the mean of 50 equal
     # terms, a 50-term sum (49u) and a division (u): 52u * ln 2 = 2.1e-6 (the default rel=1e-6
-    # was tighter than that allows; the mean is exact here, but only for this summation order).
+    # was tighter than that allows: k * fl(ln 2) is not exact in float32 for every k <= 50).
     assert float(rows[0][2]) == pytest.approx(0.69314718, rel=0, abs=5e-9 + 52 * 2.0 ** -24 * 0.6931472)
     assert float(rows[-1][2]) < float(rows[0][2])
     assert "max |Δ| = 0 (bitwise equal)" in out and ": OK" in out

@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
+from tensorflow.core.protobuf import rewriter_config_pb2
 
 import multistep as ms
 
@@ -28,9 +29,25 @@ TRANSFORMS = {
     "scale": lambda: ms.scale(0.7),
 }
 RUNS, BATCH, FEATURES = 2, 6, 3
-# XLA rounds differently at every step (README, `xla`); over up to 16 steps of these small,
-# sometimes badly conditioned models that compounds to ~1e-4 relative. The tight bound,
-# 1e-5 over 100 steps, is tested on blobs in test_modes.py.
+# A rule's update is graph arithmetic, which Grappler may regroup differently in the N-step
+# graph than in the single-step one (found here: (g * 0.7) * 0.1 folded to g * 0.07 in one graph
+# only). Constant folding and the arithmetic optimizer are the two passes that regroup products
+# (see test_rules.py, NO_REASSOCIATION); with both off in both sessions the graphs round alike.
+NO_REASSOCIATION = V1.ConfigProto()
+NO_REASSOCIATION.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+NO_REASSOCIATION.graph_options.rewrite_options.arithmetic_optimization = (
+    rewriter_config_pb2.RewriterConfig.OFF)
+# XLA rounds differently at every step (README, `xla`): it fuses element-wise chains (FMAs),
+# sums the reductions here (<= BATCH * 4 = 24 terms) in its own order (within 24u of the summed
+# magnitudes, u = 2^-24) and evaluates tanh/exp/sqrt with its own approximations: a few tens of
+# ulps per step from the same state. What that becomes after up to 16 steps depends on how the
+# drawn model and optimizer amplify a perturbation, and over hypothesis-drawn models that has no
+# useful a-priori bound (nothing caps lr * L for a drawn model, and Adam/RMSProp/Adagrad steps
+# are scale-free, so a gradient entry near 0 turns an ulp into a fraction of lr). So unlike
+# every other bound in tests/, these two are NOT derived: they are the stated acceptance
+# threshold of this property (10x the ~1e-4 relative gap seen over these examples), a finding
+# to revisit, not a rounding bound; the derived XLA bound, for a fixed problem, is
+# test_modes.py's xla_atol.
 XLA_RTOL, XLA_ATOL = 1e-3, 1e-4
 
 
@@ -73,6 +90,7 @@ def test_fused_equals_single_steps(widths, optimizer, steps, mode, per_step, cha
     data_x = rng.randn(steps * RUNS, BATCH, FEATURES).astype(np.float32)
     data_y = rng.randn(steps * RUNS, BATCH).astype(np.float32)
     loss_fn = make_loss(widths, seed)
+    config = NO_REASSOCIATION if optimizer == "compact_sgd" else None
 
     with tf.Graph().as_default():  # the reference: one step per sess.run
         gs = V1.train.get_or_create_global_step()
@@ -83,7 +101,7 @@ def test_fused_equals_single_steps(widths, optimizer, steps, mode, per_step, cha
         for name in chain:
             grads = TRANSFORMS[name]()(grads, gs.read_value())
         train = opt.apply_gradients(grads, global_step=gs)
-        with V1.Session() as sess:
+        with V1.Session(config=config) as sess:
             sess.run(V1.global_variables_initializer())
             want = []
             for j in range(steps * RUNS):
@@ -106,7 +124,7 @@ def test_fused_equals_single_steps(widths, optimizer, steps, mode, per_step, cha
             fused = ms.unroll(lambda: loss_fn(data_x[0], data_y[0]), OPTIMIZERS[optimizer](), steps,
                               global_step=gs, grad_transforms=[TRANSFORMS[n]() for n in chain],
                               mode=mode, xla=xla)
-        with V1.Session() as sess:
+        with V1.Session(config=config) as sess:
             sess.run(V1.global_variables_initializer())
             got = []
             for feed in feeds:
@@ -116,13 +134,7 @@ def test_fused_equals_single_steps(widths, optimizer, steps, mode, per_step, cha
     for run, (g, w) in enumerate(zip(got, want), start=1):
         assert sorted(g) == sorted(w)
         for name in w:
-            if optimizer == "compact_sgd" and not (xla and steps > 1):
-                # A rule's update is graph arithmetic, which Grappler may rewrite differently
-                # in the N-step graph (found here: (g * 0.7) * 0.1 folded to g * 0.07 in one
-                # graph only): equal to an ulp, compared on the circle of the modulus 5.
-                gap = np.abs(g[name].astype(np.float64) - w[name])
-                assert (np.minimum(gap, 5.0 - gap) <= 1e-5).all(), f"{name} after run {run}"
-            elif xla and steps > 1:
+            if xla and steps > 1:  # the stated XLA threshold above (not derived)
                 np.testing.assert_allclose(g[name], w[name], rtol=XLA_RTOL, atol=XLA_ATOL,
                                            err_msg=f"{name} after run {run}")
             else:
