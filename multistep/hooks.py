@@ -1,0 +1,628 @@
+"""SessionRunHooks for ``tf.compat.v1.train.MonitoredTrainingSession`` when a run is N steps.
+
+TensorFlow's hooks assume one global step per ``sess.run``. With ``ms.unroll`` a
+run makes N steps (loop mode: ``unrolled.steps_per_run`` of them), so use these
+instead:
+
+    TensorFlow's hook                 with an ms.unroll train op
+    StopAtStepHook(last_step=L)       ms.hooks.StopAtStepHook(unrolled, L): shortens the last run
+    SummarySaverHook(save_steps=S)    ms.hooks.StepSummaryHook(unrolled, dir, S): a point per step
+    LoggingTensorHook(every_n_iter=S) ms.hooks.LoggingHook(unrolled, S): a line per S steps
+    NanTensorHook(loss)               ms.hooks.NanHook(unrolled): checks the N losses
+    CheckpointSaverHook, StepCounterHook   ms.hooks.steps_per_run_aware(hook, unrolled)
+    (none)                            ms.hooks.AutoStepsHook(unrolled): chooses N between runs
+    (none)                            ms.hooks.InputExhaustedHook(unrolled): says where a
+                                      tf.data input ran out
+
+``ms.hooks.monitored_training_session(unrolled, ...)`` builds a
+MonitoredTrainingSession with them in place of its own default hooks.
+
+These hooks add fetches only to runs that train (whose fetches depend on
+``unrolled.train_op``): any other ``mon_sess.run`` (an evaluation, a read of the
+global step) runs no step. From the ``[n]`` losses and records of a run and the
+global step read after it they know every step's global step, without an extra
+``sess.run``. They build that read in ``begin()``, before MonitoredSession
+finalizes the graph.
+"""
+
+import collections
+import math
+import numbers
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from multistep.unroll import Unrolled
+
+__all__ = ["AutoStepsHook", "InputExhaustedHook", "LoggingHook", "NanHook", "NonFiniteLossError",
+           "StepSummaryHook", "StopAtStepHook", "monitored_training_session",
+           "steps_per_run_aware"]
+
+V1 = tf.compat.v1
+logging = V1.logging
+
+Run = collections.namedtuple("Run", "first_step losses records")
+Run.__doc__ = """One training run: ``losses[k]`` and ``records[name][k]`` belong to the
+inner step whose apply made the global step ``first_step + k`` (None without a global step)."""
+
+
+class _Runs:
+    """Which runs train ``unrolled``, and what each of them did: the part every hook here shares.
+
+    ``before(run_context)`` returns the fetches to add (None for a run that does not
+    train); ``after(results)`` turns what they fetched into a ``Run``.
+    """
+
+    def __init__(self, unrolled, who, *, needs_global_step=True):
+        if not isinstance(unrolled, Unrolled):
+            raise TypeError(f"{who} takes the Unrolled that ms.unroll returned, got "
+                            f"{type(unrolled).__name__}.")
+        if needs_global_step and unrolled.global_step is None:
+            raise ValueError(
+                f"{who} needs the global step to place each inner step: build with "
+                f"ms.unroll(..., global_step=tf.compat.v1.train.get_or_create_global_step()).")
+        self.unrolled = unrolled
+        self._step_after = None  # the global step, read after the run's last step
+        self._trains = {}  # the op names a run fetches -> whether they run train_op
+        self.training = False
+
+    def begin(self):
+        """Builds the read of the global step after the run (MonitoredSession calls the
+        hooks' ``begin`` before it finalizes the graph)."""
+        unrolled = self.unrolled
+        graph = unrolled.train_op.graph
+        if unrolled.global_step is None or graph.finalized:
+            return
+        with graph.as_default(), V1.name_scope(f"{unrolled.name}/hooks/"), \
+                tf.control_dependencies([unrolled.train_op]):
+            self._step_after = tf.identity(unrolled.global_step.read_value(),
+                                           name="global_step_after_run")
+
+    def before(self, run_context):
+        self.training = self._runs_train(run_context.original_args.fetches)
+        if not self.training:
+            return None
+        fetches = {"losses": self.unrolled.losses, "records": dict(self.unrolled.records)}
+        if self._step_after is not None:
+            fetches["global_step"] = self._step_after
+        return V1.train.SessionRunArgs(fetches)
+
+    def after(self, results, session):
+        """The ``Run`` that ``before``'s fetches describe, or None if the run did not train."""
+        if not self.training or results is None:
+            return None
+        losses = np.asarray(results["losses"]).reshape(-1)
+        records = {k: np.asarray(v).reshape(-1) for k, v in results["records"].items()}
+        first = None
+        if self.unrolled.global_step is not None:
+            last = results.get("global_step")
+            if last is None:  # the graph was finalized before begin(): read it now
+                last = session.run(self.unrolled.global_step)
+            first = int(last) - len(losses) + 1
+        return Run(first, losses, records)
+
+    def _runs_train(self, fetches):
+        """Whether ``fetches`` (any nest of ops, tensors and names) depend on train_op."""
+        graph = self.unrolled.train_op.graph
+        ops = []
+        for fetch in tf.nest.flatten(fetches, expand_composites=True):
+            if isinstance(fetch, (str, bytes)):
+                fetch = graph.as_graph_element(fetch.decode() if isinstance(fetch, bytes) else fetch)
+            op = getattr(fetch, "op", fetch)
+            if isinstance(op, tf.Operation):
+                ops.append(op)
+        key = tuple(sorted(op.name for op in ops))
+        if key not in self._trains:
+            self._trains[key] = _depends_on(ops, self.unrolled.train_op)
+        return self._trains[key]
+
+
+def _depends_on(ops, train_op):
+    """Whether running ``ops`` runs ``train_op`` (or the last step it waits for)."""
+    targets = {train_op, *train_op.control_inputs}
+    seen, todo = set(), list(ops)
+    while todo:
+        op = todo.pop()
+        if op in targets:
+            return True
+        if op in seen:
+            continue
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return False
+
+
+def _every(every_n_steps, what):
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, numbers.Integral) \
+            or every_n_steps < 1:
+        raise ValueError(f"{what}: every_n_steps must be an int >= 1, got {every_n_steps!r}.")
+    return int(every_n_steps)
+
+
+class _StepTimer:
+    """Which inner steps an every-n-steps hook acts on: the first step it sees, then each
+    step at least ``every`` past the last one acted on (TensorFlow's SecondOrStepTimer
+    rule, applied to every step instead of once per run)."""
+
+    def __init__(self, every):
+        self.every = every
+        self.last = None
+
+    def select(self, first_step, count):
+        chosen = []
+        for k in range(count):
+            step = first_step + k
+            if self.last is None or step >= self.last + self.every:
+                chosen.append(k)
+                self.last = step
+        return chosen
+
+
+class StopAtStepHook(V1.train.SessionRunHook):
+    """Stops training with the global step exactly ``last_step``, shortening the last run.
+
+    Before a run that trains, if fewer than ``unrolled.steps`` steps are left, it
+    lowers ``unrolled.steps_per_run`` to what is left (never raises it: another hook,
+    ``AutoStepsHook``, may have chosen fewer); after a run that reaches
+    ``last_step`` it requests a stop. A session that starts at or past
+    ``last_step`` (resumed from a checkpoint of a finished run) stops before its
+    first run, where TensorFlow's hook would run one more.
+
+    In unrolled mode every run makes exactly ``unrolled.steps`` steps: a
+    ``last_step`` that the starting global step cannot reach by whole runs is a
+    ``ValueError`` when the session is created.
+
+    Example (``unrolled`` built with ``mode="while_loop"`` and ``global_step=``):
+
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=[ms.hooks.StopAtStepHook(unrolled, last_step=1000)]) as sess:
+            while not sess.should_stop():
+                sess.run(unrolled.train_op)
+    """
+
+    def __init__(self, unrolled, last_step):
+        self._runs = _Runs(unrolled, "StopAtStepHook")
+        if isinstance(last_step, bool) or not isinstance(last_step, numbers.Integral) \
+                or last_step < 0:
+            raise ValueError(f"StopAtStepHook: last_step must be an int >= 0, got {last_step!r}.")
+        self._last_step = int(last_step)
+        self._step = None  # the global step now, as the last run left it
+
+    def begin(self):
+        self._runs.begin()
+
+    def after_create_session(self, session, coord):
+        unrolled = self._runs.unrolled
+        self._step = int(session.run(unrolled.global_step))
+        left = self._last_step - self._step
+        if left <= 0:
+            coord.request_stop()
+        elif unrolled.steps_per_run is None and left % unrolled.steps:
+            runs = -(-left // unrolled.steps)
+            raise ValueError(
+                f"StopAtStepHook: {unrolled.name} was built in mode='unrolled', so every run "
+                f"makes exactly {unrolled.steps} steps, and from global step {self._step} it "
+                f"cannot stop at last_step={self._last_step}: {runs} runs would end at "
+                f"{self._step + runs * unrolled.steps}. Build it with mode='while_loop' "
+                f"(the last run is shortened), or choose a last_step of {self._step} plus a "
+                f"multiple of {unrolled.steps}.")
+
+    def before_run(self, run_context):
+        args = self._runs.before(run_context)
+        unrolled = self._runs.unrolled
+        if args is not None and unrolled.steps_per_run is not None:
+            left = self._last_step - self._step
+            if left < unrolled.steps:
+                session = run_context.session
+                if session.run(unrolled._run_length.read) > left:
+                    unrolled.set_steps_per_run(session, max(left, 1))
+        return args
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is not None:
+            self._step = run.first_step + len(run.losses) - 1
+        if self._step >= self._last_step:
+            run_context.request_stop()
+
+
+class StepSummaryHook(V1.train.SessionRunHook):
+    """A TensorBoard scalar for every inner step: ``loss`` and each ``records`` entry.
+
+    Each value is written at the global step its step's apply made, as TensorFlow's
+    ``SummarySaverHook(save_steps=every_n_steps)`` writes a single step's
+    ``tf.compat.v1.summary.scalar("loss", loss)``: at the first step of the session,
+    then every ``every_n_steps`` steps after the last one written. The values come
+    from the ``[n]`` vectors the run returns: no extra ``sess.run``. Writes through
+    ``tf.compat.v1.summary.FileWriterCache`` (the writer the checkpoint and step
+    counter hooks share for the same directory).
+    """
+
+    def __init__(self, unrolled, output_dir, every_n_steps=1):
+        self._runs = _Runs(unrolled, "StepSummaryHook")
+        self._output_dir = output_dir
+        self._every = _every(every_n_steps, "StepSummaryHook")
+        self._timer = None
+        self._writer = None
+
+    def begin(self):
+        self._runs.begin()
+        self._timer = _StepTimer(self._every)
+        self._writer = V1.summary.FileWriterCache.get(self._output_dir)
+
+    def before_run(self, run_context):
+        return self._runs.before(run_context)
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is None:
+            return
+        series = {"loss": run.losses, **run.records}
+        for k in self._timer.select(run.first_step, len(run.losses)):
+            self._writer.add_summary(V1.Summary(value=[
+                V1.Summary.Value(tag=tag, simple_value=float(values[k]))
+                for tag, values in series.items()]), run.first_step + k)
+        self._writer.flush()
+
+    def end(self, session):
+        self._writer.flush()
+
+
+class LoggingHook(V1.train.SessionRunHook):
+    """Logs the loss (and records) of one inner step in every ``every_n_steps``, with its
+    global step, at INFO through ``tf.compat.v1.logging``:
+
+        multistep: global step 12: loss = 0.6931472, grad_norm = 0.25
+
+    The steps are chosen as ``StepSummaryHook`` chooses them; values print as
+    TensorFlow's ``LoggingTensorHook`` prints a float32 (shortest round-trip digits).
+    """
+
+    def __init__(self, unrolled, every_n_steps):
+        self._runs = _Runs(unrolled, "LoggingHook")
+        self._every = _every(every_n_steps, "LoggingHook")
+        self._timer = None
+
+    def begin(self):
+        self._runs.begin()
+        self._timer = _StepTimer(self._every)
+
+    def before_run(self, run_context):
+        return self._runs.before(run_context)
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is None:
+            return
+        series = {"loss": run.losses, **run.records}
+        for k in self._timer.select(run.first_step, len(run.losses)):
+            values = ", ".join(f"{tag} = {values[k]!s}" for tag, values in series.items())
+            logging.info("%s: global step %d: %s", self._runs.unrolled.name,
+                         run.first_step + k, values)
+
+
+class NonFiniteLossError(V1.train.NanLossDuringTrainingError):
+    """An inner step's loss was NaN or infinite (``NanHook(fail_on_nan_loss=True)``)."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+class NanHook(V1.train.SessionRunHook):
+    """Checks the loss of every inner step of a run (TensorFlow's ``NanTensorHook``
+    checks one scalar, the run's): NaN or infinite in any of them raises
+    ``NonFiniteLossError`` (a ``NanLossDuringTrainingError``) naming the first such
+    step, or with ``fail_on_nan_loss=False`` logs it and requests a stop.
+
+    With ``ms.unroll``'s in-graph ``nonfinite=`` policy:
+    ``"raise"`` (the default) stops the run itself at the first non-finite loss or
+    gradient, before that step's apply, with an ``InvalidArgumentError``: this hook
+    never sees one. ``"skip"``: the run completes, the non-finite steps changed no
+    weight, and this hook then stops training (use it to stop, or leave it out to
+    train on past skipped steps). ``"ignore"``: the step was applied, and so were the
+    later steps of that run; this hook stops training after the run, as
+    ``NanTensorHook`` does after a single step.
+    """
+
+    def __init__(self, unrolled, fail_on_nan_loss=True):
+        self._runs = _Runs(unrolled, "NanHook", needs_global_step=False)
+        self._fail = bool(fail_on_nan_loss)
+
+    def begin(self):
+        self._runs.begin()
+
+    def before_run(self, run_context):
+        return self._runs.before(run_context)
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is None:
+            return
+        bad = np.flatnonzero(~np.isfinite(run.losses))
+        if not bad.size:
+            return
+        k = int(bad[0])
+        where = f"inner step {k + 1} of {len(run.losses)}"
+        if run.first_step is not None:
+            where += f" (global step {run.first_step + k})"
+        message = (f"{self._runs.unrolled.name}: loss = {run.losses[k]} at {where}; "
+                   f"{bad.size} of the run's {len(run.losses)} losses are not finite.")
+        if self._fail:
+            logging.error(message)
+            raise NonFiniteLossError(message)
+        logging.warning(message)
+        run_context.request_stop()
+
+
+class InputExhaustedHook(V1.train.SessionRunHook):
+    """Says how many steps of the last run were applied when a ``tf.data`` input ran out.
+
+    MonitoredTrainingSession ends training cleanly on ``OutOfRangeError`` and says
+    nothing; with runs of N steps the input may run out in the middle of one. At
+    ``end()`` this hook logs (WARNING) and keeps in ``message`` where training
+    stopped, e.g. "multistep: the input ran out during a run: the first 2 of its 4
+    steps were applied; the global step is now 10." ``steps_applied`` holds the 2.
+    Both stay None when no run was cut short.
+    """
+
+    def __init__(self, unrolled):
+        self._runs = _Runs(unrolled, "InputExhaustedHook")
+        self._step = None
+        self._pending = None  # the global step before a run that has not returned
+        self.message = None
+        self.steps_applied = None
+
+    def begin(self):
+        self._runs.begin()
+
+    def after_create_session(self, session, coord):
+        self._step = int(session.run(self._runs.unrolled.global_step))
+        self._pending = None
+
+    def before_run(self, run_context):
+        args = self._runs.before(run_context)
+        if args is not None:
+            self._pending = self._step
+        return args
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is not None:
+            self._step = run.first_step + len(run.losses) - 1
+        self._pending = None
+
+    def end(self, session):
+        if self._pending is None:
+            return
+        unrolled = self._runs.unrolled
+        now = int(session.run(unrolled.global_step))
+        length = (unrolled.steps if unrolled.steps_per_run is None
+                  else int(session.run(unrolled._run_length.read)))
+        self.steps_applied = now - self._pending
+        self.message = (f"{unrolled.name}: the input ran out during a run: the first "
+                        f"{self.steps_applied} of its {length} steps were applied; the global "
+                        f"step is now {now}.")
+        logging.warning("%s", self.message)
+
+
+class AutoStepsHook(V1.train.SessionRunHook):
+    """Chooses ``unrolled.steps_per_run`` between runs so that a run takes about
+    ``target_seconds`` (loop mode only).
+
+    The first run of a session makes 1 step and is not measured (it pays for graph
+    set-up). After each later run, the time per step is the median of the last 5
+    runs at the current length; the ideal length is ``target_seconds`` over it.
+    The length moves only when the ideal is more than 25% away from it (hysteresis:
+    noise does not make it oscillate), and only after 3 runs at the current length
+    unless the ideal is more than 2x away; a move more than 4x away goes halfway
+    (geometrically). It stays in ``1..min(steps, max_steps)``. A run's time is
+    measured from this hook's ``before_run`` to its ``after_run``: list it first so
+    that no other hook's ``after_run`` (a checkpoint save) falls inside.
+
+    With a per-run overhead ``a`` and a per-step cost ``b``, the length approaches
+    ``(target_seconds - a) / b`` and settles within 25% of it.
+
+    ``timer``: the clock, in seconds (injectable for tests). ``steps_per_run``: the
+    length chosen last.
+    """
+
+    BAND = 1.25      # no move while the ideal is within this factor of the current length
+    FAR = 2.0        # beyond this factor, move without waiting for more runs
+    HALFWAY = 4.0    # beyond this factor, move geometrically halfway
+    WINDOW = 5       # runs whose median time per step is used
+    PATIENCE = 3     # runs at a length before a move within FAR
+
+    def __init__(self, unrolled, target_seconds=0.5, max_steps=None, timer=time.perf_counter):
+        self._runs = _Runs(unrolled, "AutoStepsHook", needs_global_step=False)
+        if unrolled.steps_per_run is None:
+            raise TypeError(
+                f"AutoStepsHook: {unrolled.name} was built in mode='unrolled', whose runs "
+                f"always make {unrolled.steps} steps; build it with mode='while_loop' "
+                f"(steps= is then the most a run makes) to let the run length vary.")
+        if isinstance(target_seconds, bool) or not isinstance(target_seconds, numbers.Real) \
+                or not target_seconds > 0:
+            raise ValueError(f"AutoStepsHook: target_seconds must be > 0, got {target_seconds!r}.")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(
+                max_steps, numbers.Integral) or max_steps < 1):
+            raise ValueError(f"AutoStepsHook: max_steps must be an int >= 1 or None, got "
+                             f"{max_steps!r}.")
+        self._target = float(target_seconds)
+        self._cap = unrolled.steps if max_steps is None else min(unrolled.steps, int(max_steps))
+        self._timer = timer
+        self.steps_per_run = None
+        self._per_step = []
+        self._started = None
+        self._measured = False
+
+    def begin(self):
+        self._runs.begin()
+
+    def after_create_session(self, session, coord):
+        self._set(session, 1)
+        self._measured = False
+
+    def before_run(self, run_context):
+        args = self._runs.before(run_context)
+        if args is not None:
+            self._started = self._timer()
+        return args
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is None:
+            return
+        elapsed = self._timer() - self._started
+        if not self._measured:  # the session's first run: set-up, not a measure
+            self._measured = True
+            return
+        self._per_step = (self._per_step + [elapsed / len(run.losses)])[-self.WINDOW:]
+        n = self.steps_per_run
+        ratio = self._target / max(statistics.median(self._per_step), 1e-12) / n
+        if 1 / self.BAND <= ratio <= self.BAND:
+            return
+        if len(self._per_step) < self.PATIENCE and 1 / self.FAR <= ratio <= self.FAR:
+            return
+        if not 1 / self.HALFWAY <= ratio <= self.HALFWAY:
+            ratio = math.sqrt(ratio)
+        self._set(run_context.session, max(1, min(self._cap, round(n * ratio))))
+
+    def _set(self, session, n):
+        if n != self.steps_per_run:
+            self._runs.unrolled.set_steps_per_run(session, n)
+            self.steps_per_run = n
+            self._per_step = []
+
+
+def steps_per_run_aware(hook, unrolled):
+    """TensorFlow's ``CheckpointSaverHook`` or ``StepCounterHook``, told before each of
+    its ``after_run`` calls how many steps the run made (its private
+    ``_set_steps_per_run``, which TPUEstimator uses the same way).
+
+    Told nothing, ``StepCounterHook`` assumes 1 step per run and notices that its
+    interval has passed one run late; ``CheckpointSaverHook`` assumes 1,000,000 and so
+    reads the global step after every run. Told the true count, both decide on the
+    global step after the run, and read it only when their interval has passed.
+
+    What is "right" when the interval is not a multiple of the run length: TensorFlow's
+    own rule, on the true global step. ``CheckpointSaverHook(save_steps=S)`` writes a
+    checkpoint when the session starts, at the end of the first run whose global step
+    is at least S past the previous checkpoint's, and when training ends (at the
+    final global step, if not just written). The interval is thus S rounded up to
+    whole runs: with runs of N = 4 steps, S = 8 gives 0, 8, 16, ... (the single-step
+    checkpoints), S = 6 gives 0, 8, 16, 24, ... A checkpoint is never a run late, and
+    its step is always the end of a run. For the single-step checkpoint steps, choose
+    S a multiple of N (runs shortened by ``StopAtStepHook`` come last, and training
+    ends with a checkpoint anyway). ``StepCounterHook(every_n_steps=S)`` likewise
+    reports steps per second at the end of the first run S steps past the last report.
+    """
+    if not hasattr(hook, "_set_steps_per_run"):
+        replacement = {"SummarySaverHook": "ms.hooks.StepSummaryHook",
+                       "LoggingTensorHook": "ms.hooks.LoggingHook",
+                       "NanTensorHook": "ms.hooks.NanHook",
+                       "StopAtStepHook": "ms.hooks.StopAtStepHook"}.get(type(hook).__name__)
+        instead = f"; use {replacement} instead" if replacement else ""
+        raise TypeError(
+            f"steps_per_run_aware: {type(hook).__name__} cannot be told the steps of a run "
+            f"(it has no _set_steps_per_run; TensorFlow's CheckpointSaverHook and "
+            f"StepCounterHook have){instead}.")
+    return _StepsPerRunAware(hook, unrolled)
+
+
+class _StepsPerRunAware(V1.train.SessionRunHook):
+    """``hook``, with ``_set_steps_per_run(n)`` called before its ``after_run`` (0 for a
+    run that did not train)."""
+
+    def __init__(self, hook, unrolled):
+        self.hook = hook
+        self._runs = _Runs(unrolled, type(hook).__name__, needs_global_step=False)
+
+    def begin(self):
+        self._runs.begin()
+        self.hook.begin()
+
+    def after_create_session(self, session, coord):
+        self.hook.after_create_session(session, coord)
+
+    def before_run(self, run_context):
+        inner = self.hook.before_run(run_context)
+        ours = self._runs.before(run_context)
+        fetches = {}
+        if inner is not None and inner.fetches is not None:
+            fetches["hook"] = inner.fetches
+        if ours is not None:
+            fetches["run"] = ours.fetches
+        if inner is None and not fetches:
+            return None
+        return V1.train.SessionRunArgs(fetches or None,
+                                       feed_dict=inner.feed_dict if inner else None,
+                                       options=inner.options if inner else None)
+
+    def after_run(self, run_context, run_values):
+        results = run_values.results or {}
+        run = self._runs.after(results.get("run"), run_context.session)
+        self.hook._set_steps_per_run(0 if run is None else len(run.losses))
+        self.hook.after_run(run_context, V1.train.SessionRunValues(
+            results=results.get("hook"), options=run_values.options,
+            run_metadata=run_values.run_metadata))
+
+    def end(self, session):
+        self.hook.end(session)
+
+
+def monitored_training_session(unrolled, *, last_step=None, checkpoint_dir=None,
+                               save_checkpoint_steps=None, save_checkpoint_secs=None,
+                               summary_dir=None, save_summaries_steps=100,
+                               log_step_count_steps=100, target_seconds=None, hooks=(),
+                               chief_only_hooks=(), **session_args):
+    """``tf.compat.v1.train.MonitoredTrainingSession`` for an N-step train op.
+
+    The same defaults as TensorFlow's, with its default hooks replaced: per-step
+    summaries (``StepSummaryHook``, ``save_summaries_steps``), a step counter and a
+    checkpoint saver that know the steps of a run (``steps_per_run_aware``; a
+    checkpoint every 600 s when ``checkpoint_dir`` is set and neither interval is),
+    and ``InputExhaustedHook``. ``last_step`` adds ``StopAtStepHook``;
+    ``target_seconds`` adds ``AutoStepsHook``, listed first so that its clock
+    measures only the run. Other arguments (``is_chief``, ``config``, ``scaffold``,
+    ``master``, ...) go to MonitoredTrainingSession. The summaries hold the loss and
+    ``record=`` quantities of every step, not the graph's ``tf.summary`` ops (which
+    would see one step per run).
+    """
+    for name in ("save_summaries_secs",):
+        if session_args.get(name) is not None:
+            raise ValueError(f"monitored_training_session: {name} is not supported; per-step "
+                             f"summaries are written every save_summaries_steps steps.")
+        session_args.pop(name, None)
+    is_chief = session_args.get("is_chief", True)
+    first, per_worker, chief = [], [], []
+    if target_seconds is not None:
+        first.append(AutoStepsHook(unrolled, target_seconds))
+    if last_step is not None:
+        per_worker.append(StopAtStepHook(unrolled, last_step))
+    if unrolled.global_step is not None:
+        per_worker.append(InputExhaustedHook(unrolled))
+    summary_dir = summary_dir or checkpoint_dir
+    if summary_dir and save_summaries_steps:
+        chief.append(StepSummaryHook(unrolled, summary_dir, save_summaries_steps))
+    if summary_dir and log_step_count_steps:
+        chief.append(steps_per_run_aware(V1.train.StepCounterHook(
+            every_n_steps=log_step_count_steps, output_dir=summary_dir), unrolled))
+    if checkpoint_dir:
+        if save_checkpoint_steps is None and save_checkpoint_secs is None:
+            save_checkpoint_secs = 600
+        chief.append(steps_per_run_aware(V1.train.CheckpointSaverHook(
+            checkpoint_dir, save_steps=save_checkpoint_steps, save_secs=save_checkpoint_secs,
+            scaffold=session_args.get("scaffold")), unrolled))
+    # MonitoredTrainingSession runs chief_only_hooks, then hooks, in order.
+    return V1.train.MonitoredTrainingSession(
+        checkpoint_dir=checkpoint_dir, summary_dir=summary_dir,
+        hooks=(first if not is_chief else []) + per_worker + list(hooks),
+        chief_only_hooks=(first if is_chief else []) + chief + list(chief_only_hooks),
+        save_checkpoint_secs=None, save_checkpoint_steps=None, save_summaries_steps=None,
+        save_summaries_secs=None, log_step_count_steps=None, **session_args)
