@@ -58,6 +58,7 @@ class Step:
         """
         self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
         graph = tf.compat.v1.get_default_graph()
+        scope = graph.get_name_scope() + "/"
         first_op, created = len(graph.get_operations()), len(self.guard.created)
         first = isinstance(k, int) and k == 1  # a loop body passes k as a tensor: steps 2..N
         local = not first and not self.gradient_options and _local_gradients_apply(self.optimizer, self.var_list)
@@ -83,11 +84,12 @@ class Step:
             run_first = self._update_ops(collected, forward, initializers)
             with tf.control_dependencies(run_first):
                 outputs, apply_op = self._descend(k, loss, local, tape, forward)
-        end = apply_op if self.nonfinite == "skip" else self._after(apply_op)
+        end = _every_replica(apply_op if self.nonfinite == "skip" else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
+        exempt |= _other_replicas_ops(ops, scope)
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
         return outputs, end
 
@@ -113,7 +115,20 @@ class Step:
         with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
             if self.nonfinite == "skip":
                 return outputs, self._apply_if(finite, grads_and_vars)
-            return outputs, self.optimizer.apply_gradients(grads_and_vars, global_step=self.global_step)
+            with self._slots_scope(k):
+                return outputs, _apply_op(self.optimizer.apply_gradients(
+                    grads_and_vars, global_step=self.global_step))
+
+    def _slots_scope(self, k):
+        """Where step ``k``'s apply runs. In the replica context of a ``tf.distribute``
+        strategy, step 1's ``merge_call`` creates the optimizer's variables (slots,
+        Adam's ``beta1_power``) in cross-replica context, outside this step's variable
+        creator, named under the first replica's name scope: there step 1's apply runs
+        in the scope ``ms.unroll`` was called in, so they get a single step's names (its
+        update ops then sit beside ``step_1``, not in it). Elsewhere: the current scope."""
+        if not (isinstance(k, int) and k == 1 and _in_replica_context()):
+            return contextlib.nullcontext()
+        return self.guard.graph.name_scope(self.guard.base + "/" if self.guard.base else "")
 
     def _gradients(self, k, loss, local, tape, forward):
         """``compute_gradients``' result for step ``k``.
@@ -221,6 +236,58 @@ def _as_op(value):
     if isinstance(value, tf.Operation):
         return value
     return value.op
+
+
+def _in_replica_context():
+    """Inside ``call_for_each_replica`` of a ``tf.distribute`` strategy."""
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+def _other_replicas_ops(ops, scope):
+    """Of ``ops`` (those made since this step started), the ones this step may leave
+    unreached: in the replica context of a ``tf.distribute`` strategy, those other
+    replicas built and the initialisers of the variables the ``merge_call`` made
+    (optimizer slots, created in cross-replica context, where the step's variable
+    creator is not). The replicas build their steps in turns, each pausing in its
+    apply's ``merge_call`` while the others build theirs; this replica's ops are those
+    under its step's name ``scope`` (``replica_1/multistep/step_2/``, ...), and the
+    all-reduce and the variables' updates sit under the first replica's apply.
+    Outside a replica context: none."""
+    if not _in_replica_context():
+        return set()
+    made = set(ops)
+    strategy = tf.distribute.get_strategy()
+    variables = tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
+    created = [local for v in variables for local in strategy.experimental_local_results(v)
+               if getattr(local, "initializer", None) in made]
+    return {op for op in ops if not op.name.startswith(scope)} | _initializers(created)
+
+
+def _every_replica(end):
+    """In the replica context of a ``tf.distribute`` strategy, one op after every replica's
+    ``end`` (the same op in every replica), through a ``merge_call``: the next step of
+    each replica then starts after this step of all of them, as the next ``sess.run`` of
+    single distributed steps does (their all-reduce reads every replica's writes).
+    Outside a replica context: ``end``."""
+    if not _in_replica_context():
+        return end
+
+    def merge(strategy, ends):
+        return tf.group(*strategy.experimental_local_results(ends), name="every_replica")
+
+    return tf.distribute.get_replica_context().merge_call(merge, args=(end,))
+
+
+def _apply_op(applied):
+    """The op of what ``apply_gradients`` returned. In the replica context of a
+    ``tf.distribute`` strategy that is this replica's value of its ``merge_call``
+    (the global step's update: a tensor, after every replica's variable updates)."""
+    if isinstance(applied, tf.Operation):
+        return applied
+    if isinstance(applied, tf.Tensor):
+        return applied.op
+    local = tf.distribute.get_strategy().experimental_local_results(applied)
+    return tf.group(*[_as_op(v) for v in tf.nest.flatten(local)])
 
 
 def _initializers(variables):

@@ -143,6 +143,9 @@ class GraphTooLargeError(ValueError):
     """An unrolled graph would pass the 2 GB GraphDef limit."""
 
 
+# In a strategy's call_for_each_replica, AutoGraph converts the function it runs and
+# what that calls; the builder is plain Python over graph ops, and runs as written.
+@tf.autograph.experimental.do_not_convert
 def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
            global_step=None, update_ops=True, after_apply=None, mode="unrolled", xla=False,
            record=(), nonfinite="raise", gate_gradients=GATE_OP, aggregation_method=None,
@@ -222,6 +225,16 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
     global step, moving statistics, anything ``loss_fn`` or ``after_apply``
     assigns) is watched by the stale-forward check.
 
+    In the replica context of a ``tf.compat.v1.distribute`` strategy (inside
+    ``strategy.extended.call_for_each_replica(fn)``; ``ms.distribute.unroll`` does this
+    for every replica) it builds that replica's N steps: each step's apply all-reduces
+    the gradients through the optimizer's own ``merge_call``, and step k+1 of every
+    replica starts after step k of all of them. ``grad_transforms`` then see this
+    replica's local gradient, before the all-reduce (as in a single distributed step
+    that clips before ``apply_gradients``); ``losses`` are this replica's. Only
+    ``mode="unrolled"`` without XLA and ``nonfinite`` ``"raise"`` or ``"ignore"``:
+    a ``merge_call`` cannot run inside a loop, function or cond body.
+
     Returns:
       An ``Unrolled`` with ``train_op`` and ``losses``.
 
@@ -253,6 +266,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         raise ValueError(f"update_ops must be one of {UPDATE_OPS}, got {update_ops!r}.")
     if after_apply is not None and not callable(after_apply):
         raise TypeError(f"after_apply must be a callable () -> ops, got {after_apply!r}.")
+    _check_replica_context(optimizer, mode, xla, nonfinite)
     gradient_options = {}  # minimize's options that differ from their defaults
     if gate_gradients != GATE_OP:
         gradient_options["gate_gradients"] = gate_gradients
@@ -389,6 +403,32 @@ def _run_length(steps, *, count_done):
         done = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
                                      collections=local, name="steps_done")
     return _RunLength(variable, value, assign, read, done)
+
+
+def _check_replica_context(optimizer, mode, xla, nonfinite):
+    """What a tf.distribute replica context, and SyncReplicasOptimizer, rule out."""
+    if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
+        raise TypeError(
+            "SyncReplicasOptimizer cannot be unrolled: each apply_gradients call creates its "
+            "own shared gradient accumulators and a token queue that the chief fills once per "
+            "update, and it may be called only once per graph, so N applies per run cannot be "
+            "built. For synchronous data parallelism use a tf.compat.v1.distribute strategy "
+            "(MirroredStrategy on one machine, experimental.MultiWorkerMirroredStrategy across "
+            "workers), whose all-reduce runs in every inner step: build with "
+            "ms.distribute.unroll(strategy, loss_fn, optimizer, steps) and the plain optimizer "
+            "SyncReplicasOptimizer wraps.")
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return
+    refused = {"mode='while_loop'": mode == "while_loop", "xla=True": xla,
+               "nonfinite='skip'": nonfinite == "skip"}
+    what = [option for option, given in refused.items() if given]
+    if what:
+        raise ValueError(
+            f"ms.unroll in the replica context of {type(tf.distribute.get_strategy()).__name__}: "
+            f"{what[0]} would put each step's apply inside a tf.while_loop, tf.function or tf.cond body, "
+            f"and the apply all-reduces the gradients through the strategy's merge_call, which "
+            f"cannot run inside a control-flow body in replica context. Use mode='unrolled' "
+            f"(the default), xla=False and nonfinite='raise' or 'ignore' under a strategy.")
 
 
 def _check_record(record, optimizer):
