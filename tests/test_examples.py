@@ -14,6 +14,8 @@ EXPECTED = {  # a line each example must print: evidence it did its job
     "blobs_three_steps.py": "refused: ",
     "ema_and_projection.py": "OK",
     "verify_my_model.py": "(bitwise equal)",
+    "monitored_training.py": "same checkpoint steps, same per-step summaries, weights and slots "
+                             "bitwise equal; resumed run bitwise equal",
     "clipped_adam.py": "Adam accumulated the clipped gradients",
     "compact_domain_sgd.py": "(bitwise equal)",
     "sparse_embedding_clipping.py": "ms.clip_by_value(-4, 4), sparse: rows after one step [4. 0. 1.]",
