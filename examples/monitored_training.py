@@ -5,9 +5,9 @@ MonitoredTrainingSession that saves a checkpoint every 8 steps, writes the loss
 summary at every step and stops at step 22. The fused one changes three things
 (marked ``# fused:`` below):
 
-    train_op = optimizer.minimize(loss, global_step)   ->  ms.unroll(model, optimizer, 4, ...)
-    MonitoredTrainingSession(..., hooks=[StopAtStepHook])  ->  ms.hooks.monitored_training_session(...)
-    sess.run(train_op)                                  ->  sess.run(unrolled.train_op)
+    optimizer.minimize(loss, global_step)            ->  ms.unroll(model, optimizer, 4, ...)
+    MonitoredTrainingSession(hooks=[StopAtStepHook])  ->  ms.hooks.monitored_training_session
+    sess.run(train_op)                               ->  sess.run(unrolled.train_op)
 
 Runs make 4 steps, and 22 is not a multiple of 4: the last run is shortened to 2
 (loop mode's ``steps_per_run``). Both end at global step 22 with bitwise equal

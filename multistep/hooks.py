@@ -108,8 +108,10 @@ class _Runs:
         graph = self.unrolled.train_op.graph
         ops = []
         for fetch in tf.nest.flatten(fetches, expand_composites=True):
-            if isinstance(fetch, (str, bytes)):
-                fetch = graph.as_graph_element(fetch.decode() if isinstance(fetch, bytes) else fetch)
+            if isinstance(fetch, bytes):
+                fetch = fetch.decode()
+            if isinstance(fetch, str):
+                fetch = graph.as_graph_element(fetch)
             op = getattr(fetch, "op", fetch)
             if isinstance(op, tf.Operation):
                 ops.append(op)
@@ -465,6 +467,7 @@ class AutoStepsHook(V1.train.SessionRunHook):
         self._runs.begin()
 
     def after_create_session(self, session, coord):
+        self.steps_per_run = None  # a new session starts from `steps`: set it whatever it was
         self._set(session, 1)
         self._measured = False
 
@@ -594,11 +597,9 @@ def monitored_training_session(unrolled, *, last_step=None, checkpoint_dir=None,
     ``record=`` quantities of every step, not the graph's ``tf.summary`` ops (which
     would see one step per run).
     """
-    for name in ("save_summaries_secs",):
-        if session_args.get(name) is not None:
-            raise ValueError(f"monitored_training_session: {name} is not supported; per-step "
-                             f"summaries are written every save_summaries_steps steps.")
-        session_args.pop(name, None)
+    if session_args.pop("save_summaries_secs", None) is not None:
+        raise ValueError("monitored_training_session: save_summaries_secs is not supported; "
+                         "per-step summaries are written every save_summaries_steps steps.")
     is_chief = session_args.get("is_chief", True)
     first, per_worker, chief = [], [], []
     if target_seconds is not None:

@@ -298,8 +298,8 @@ def test_step_counter_told_the_run_length_is_not_a_run_late(tmp_path):
     with tf.Graph().as_default():
         unrolled = fused_graph(dataset(), 4)
         counter = V1.train.StepCounterHook(every_n_steps=8, output_dir=directory)
-        train([ms.hooks.StopAtStepHook(unrolled, 30), ms.hooks.steps_per_run_aware(counter, unrolled)],
-              unrolled.train_op)
+        train([ms.hooks.StopAtStepHook(unrolled, 30),
+               ms.hooks.steps_per_run_aware(counter, unrolled)], unrolled.train_op)
     V1.summary.FileWriterCache.clear()
     # the first run (step 4) starts its timer; then the end of each run 8 or more steps later
     assert [step for _, step, _ in summaries(directory, tags=("global_step/sec",))] == [12, 20, 28]
@@ -539,3 +539,34 @@ def single_steps_state(single, step, tmp_path):
             single_steps(every, 22, save_steps=1)
         single = checkpoints(str(every / "single"))
     return single[step]
+
+
+def test_hooks_refuse_bad_arguments():
+    with tf.Graph().as_default():
+        unrolled = fused_graph(dataset(), 4, mode="unrolled", name="unrolled")
+    with tf.Graph().as_default():
+        loop = fused_graph(dataset(), 4)
+        w = tf.Variable(1.0)
+        no_step = ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.1), 2,
+                            mode="while_loop", name="no_step")
+        for make in (lambda: ms.hooks.StopAtStepHook(no_step, 10),
+                     lambda: ms.hooks.StepSummaryHook(no_step, "/tmp/x"),
+                     lambda: ms.hooks.LoggingHook(no_step, 1),
+                     lambda: ms.hooks.InputExhaustedHook(no_step)):
+            with pytest.raises(ValueError, match=r"needs the global step .*global_step="):
+                make()
+        ms.hooks.NanHook(no_step)  # places steps by their index in the run: no global step needed
+        with pytest.raises(TypeError, match="AutoStepsHook: unrolled was built in mode='unrolled'"):
+            ms.hooks.AutoStepsHook(unrolled)
+        with pytest.raises(TypeError, match="takes the Unrolled that ms.unroll returned"):
+            ms.hooks.StopAtStepHook(loop.train_op, 10)
+        for bad in (-1, 2.5, True):
+            with pytest.raises(ValueError, match="last_step must be an int >= 0"):
+                ms.hooks.StopAtStepHook(loop, bad)
+        for bad in (0, 1.5):
+            with pytest.raises(ValueError, match="every_n_steps must be an int >= 1"):
+                ms.hooks.LoggingHook(loop, bad)
+        with pytest.raises(ValueError, match="target_seconds must be > 0"):
+            ms.hooks.AutoStepsHook(loop, target_seconds=0)
+        with pytest.raises(ValueError, match="max_steps must be an int >= 1 or None"):
+            ms.hooks.AutoStepsHook(loop, max_steps=0)
