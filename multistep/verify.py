@@ -198,6 +198,9 @@ class _Program:
                 self._placeholders[name] = ph
                 assigns.append(v.assign(ph))
             self._load = tf.group(*assigns)
+            # Reads made now: the graph is finalized below, and fetching a distributed
+            # (MirroredStrategy) variable itself would make a read op at run time.
+            self._reads = {name: tf.identity(v) for name, v in self.variables.items()}
             self._init = [tf.compat.v1.global_variables_initializer(), _local_init_op()]
             self.graph.finalize()
         self.session = tf.compat.v1.Session(graph=self.graph, config=config)
@@ -209,7 +212,7 @@ class _Program:
         return np.asarray(self.session.run(self.fetch, feed)[1], np.float32).reshape(-1)
 
     def values(self):
-        return self.session.run(self.variables)
+        return self.session.run(self._reads)
 
     def load(self, values):
         self.session.run(self._load, {self._placeholders[n]: values[n] for n in self._placeholders})
@@ -218,6 +221,7 @@ class _Program:
         """Report variable ``old`` under the name ``new``."""
         self.variables[new] = self.variables.pop(old)
         self._placeholders[new] = self._placeholders.pop(old)
+        self._reads[new] = self._reads.pop(old)
 
     def close(self):
         self.session.close()

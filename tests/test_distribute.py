@@ -263,6 +263,8 @@ results["refused_loop"] = refused(mode="while_loop")
 results["refused_xla"] = refused(xla=True)
 results["refused_skip"] = refused(nonfinite="skip")
 results["half_and_full"] = half_and_full()
+report = ms.verify(verify_build, steps=3, runs=2)
+results["verify"] = {"ok": report.ok, "bitwise": report.bitwise, "summary": report.summary()}
 print("RESULTS " + json.dumps(results))
 '''
 
@@ -291,6 +293,11 @@ def test_fused_equals_single_distributed_steps_bitwise(results, case):
     assert "global_step:0@1" in names and "w:0@1" in names
     if case.startswith("adam"):  # a single step's names, not under multistep/step_1
         assert "beta1_power:0@0" in names and "w/Adam:0@1" in names
+
+
+def test_verify_builds_under_a_strategy(results):
+    """ms.verify on a build_fn that creates its MirroredStrategy and distributed iterator."""
+    assert results["verify"]["ok"] and results["verify"]["bitwise"], results["verify"]["summary"]
 
 
 def test_update_ops_run_per_replica(results):
