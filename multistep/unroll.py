@@ -159,7 +159,8 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         Keras layers) are reused on later calls.
       optimizer: a ``tf.compat.v1.train.Optimizer``; one set of slots serves all
         steps. A callable learning rate is re-evaluated at every inner step.
-      steps: N >= 1.
+      steps: N >= 1: the steps of one run; in loop mode the most a run makes
+        (``Unrolled.set_steps_per_run`` sets fewer without a rebuild).
       var_list: variables to train; default: the trainable variables the loss
         has a gradient for. Each must have a gradient path from the loss.
       inputs: optional per-step data. Tensors, or a tuple/list of tensors or
