@@ -88,7 +88,13 @@ def _parser():
 
     blobs = sub.add_parser(
         "blobs", help="fit the make_blobs toy classifier with N-step runs beside 1-step runs")
-    blobs.add_argument("--steps", type=_positive, default=3, help="inner steps per sess.run (default 3)")
+    blobs.add_argument("--steps", type=_steps_or_auto, default=3,
+                       help="inner steps per sess.run (default 3), or 'auto': ms.hooks.AutoStepsHook "
+                            "picks N (loop mode) so that a run takes about --target-seconds")
+    blobs.add_argument("--target-seconds", type=_positive_float, default=0.002,
+                       help="with --steps auto: seconds per run to aim for (default 0.002)")
+    blobs.add_argument("--max-steps", type=_positive, default=64,
+                       help="with --steps auto: the most steps a run may make (default 64)")
     blobs.add_argument("--runs", type=_positive, default=12, help="N-step runs (default 12)")
     blobs.add_argument("--mode", choices=MODES, default="unrolled",
                        help="unrolled (N copies of the step) or while_loop (one loop body, for large N)")
@@ -166,6 +172,10 @@ def _positive_number(convert, what):
 
 
 _positive = _positive_number(int, "an integer")
+
+
+def _steps_or_auto(text):
+    return "auto" if text == "auto" else _positive(text)
 _positive_float = _positive_number(float, "a number")
 
 
@@ -201,7 +211,12 @@ def _blobs(args):
     build = functools.partial(blobs.build, optimizer=args.rule or args.optimizer, lr=args.lr,
                               seed=args.seed, grad_transforms=transforms, modulus=args.modulus,
                               mode=args.mode)
-    n = args.steps
+    if args.steps == "auto":
+        args.mode = "while_loop"
+        build = functools.partial(build, mode="while_loop")
+        n = _auto_steps(build, args.target_seconds, args.max_steps)
+    else:
+        n = args.steps
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
           f"dense 2->2 from ones; {optimizer}; mode={args.mode}"
           + "".join(f"; {t.__name__}" for t in transforms))
@@ -227,6 +242,25 @@ def _blobs(args):
     print(f"TensorBoard runs {', '.join(runs)} (the {n}-step graph and a loss point per step) "
           f"written to {args.logdir}; view them with: tensorboard --logdir {args.logdir}")
     return 0 if report.ok else 1
+
+
+def _auto_steps(build, target_seconds, max_steps, runs=40):
+    """The N that ``ms.hooks.AutoStepsHook`` settles on for this model on this machine:
+    training runs (thrown away) until it has kept one length for 5 runs, at most ``runs``."""
+    import tensorflow as tf
+
+    import multistep as ms
+
+    with tf.Graph().as_default():
+        unrolled, _ = build(max_steps)
+        hook = ms.hooks.AutoStepsHook(unrolled, target_seconds=target_seconds)
+        chosen = []
+        with tf.compat.v1.train.SingularMonitoredSession(hooks=[hook]) as session:
+            while len(chosen) < runs and not (len(chosen) >= 5 and len(set(chosen[-5:])) == 1):
+                chosen.append(len(session.run(unrolled.losses)))
+    print(f"--steps auto: AutoStepsHook (target {target_seconds:g} s per run, at most {max_steps} "
+          f"steps) chose run lengths {chosen}: N = {chosen[-1]}")
+    return chosen[-1]
 
 
 def _graph(args):

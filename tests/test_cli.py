@@ -155,3 +155,12 @@ def test_blobs_in_loop_mode_verifies_bitwise(tmp_path):
                        "--logdir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "mode=while_loop" in result.stdout and "max |Δ| = 0 (bitwise equal)" in result.stdout
+
+
+def test_blobs_steps_auto_picks_n_and_still_verifies(tmp_path):
+    result = multistep("blobs", "--steps", "auto", "--max-steps", "16", "--runs", "2",
+                       "--logdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    chosen = int(re.search(r"AutoStepsHook .* N = (\d+)", result.stdout).group(1))
+    assert 1 <= chosen <= 16  # never past --max-steps
+    assert f"2 runs of {chosen} steps" in result.stdout and "max |Δ| = 0 (bitwise equal)" in result.stdout
