@@ -231,7 +231,39 @@ class StopAtStepHook(V1.train.SessionRunHook):
             run_context.request_stop()
 
 
-class StepSummaryHook(V1.train.SessionRunHook):
+class _EveryNStepsHook(V1.train.SessionRunHook):
+    """The protocol the per-step hooks share: fetch the run's ``[n]`` vectors, then hand
+    the inner steps chosen every ``every_n_steps`` to ``_emit(global_step, values)``."""
+
+    def __init__(self, unrolled, every_n_steps, who):
+        self._runs = _Runs(unrolled, who)
+        self._every = _every(every_n_steps, who)
+        self._timer = None
+
+    def begin(self):
+        self._runs.begin()
+        self._timer = _StepTimer(self._every)
+
+    def before_run(self, run_context):
+        return self._runs.before(run_context)
+
+    def after_run(self, run_context, run_values):
+        run = self._runs.after(run_values.results, run_context.session)
+        if run is None:
+            return
+        series = {"loss": run.losses, **run.records}
+        for k in self._timer.select(run.first_step, len(run.losses)):
+            self._emit(run.first_step + k, {tag: values[k] for tag, values in series.items()})
+        self._emitted()
+
+    def _emit(self, global_step, values):
+        raise NotImplementedError
+
+    def _emitted(self):
+        """Called after each run's values."""
+
+
+class StepSummaryHook(_EveryNStepsHook):
     """A TensorBoard scalar for every inner step: ``loss`` and each ``records`` entry.
 
     Each value is written at the global step its step's apply made, as TensorFlow's
@@ -244,36 +276,27 @@ class StepSummaryHook(V1.train.SessionRunHook):
     """
 
     def __init__(self, unrolled, output_dir, every_n_steps=1):
-        self._runs = _Runs(unrolled, "StepSummaryHook")
+        super().__init__(unrolled, every_n_steps, "StepSummaryHook")
         self._output_dir = output_dir
-        self._every = _every(every_n_steps, "StepSummaryHook")
-        self._timer = None
         self._writer = None
 
     def begin(self):
-        self._runs.begin()
-        self._timer = _StepTimer(self._every)
+        super().begin()
         self._writer = V1.summary.FileWriterCache.get(self._output_dir)
 
-    def before_run(self, run_context):
-        return self._runs.before(run_context)
+    def _emit(self, global_step, values):
+        self._writer.add_summary(V1.Summary(value=[
+            V1.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]),
+            global_step)
 
-    def after_run(self, run_context, run_values):
-        run = self._runs.after(run_values.results, run_context.session)
-        if run is None:
-            return
-        series = {"loss": run.losses, **run.records}
-        for k in self._timer.select(run.first_step, len(run.losses)):
-            self._writer.add_summary(V1.Summary(value=[
-                V1.Summary.Value(tag=tag, simple_value=float(values[k]))
-                for tag, values in series.items()]), run.first_step + k)
+    def _emitted(self):
         self._writer.flush()
 
     def end(self, session):
         self._writer.flush()
 
 
-class LoggingHook(V1.train.SessionRunHook):
+class LoggingHook(_EveryNStepsHook):
     """Logs the loss (and records) of one inner step in every ``every_n_steps``, with its
     global step, at INFO through ``tf.compat.v1.logging``:
 
@@ -284,26 +307,11 @@ class LoggingHook(V1.train.SessionRunHook):
     """
 
     def __init__(self, unrolled, every_n_steps):
-        self._runs = _Runs(unrolled, "LoggingHook")
-        self._every = _every(every_n_steps, "LoggingHook")
-        self._timer = None
+        super().__init__(unrolled, every_n_steps, "LoggingHook")
 
-    def begin(self):
-        self._runs.begin()
-        self._timer = _StepTimer(self._every)
-
-    def before_run(self, run_context):
-        return self._runs.before(run_context)
-
-    def after_run(self, run_context, run_values):
-        run = self._runs.after(run_values.results, run_context.session)
-        if run is None:
-            return
-        series = {"loss": run.losses, **run.records}
-        for k in self._timer.select(run.first_step, len(run.losses)):
-            values = ", ".join(f"{tag} = {values[k]!s}" for tag, values in series.items())
-            logging.info("%s: global step %d: %s", self._runs.unrolled.name,
-                         run.first_step + k, values)
+    def _emit(self, global_step, values):
+        logging.info("%s: global step %d: %s", self._runs.unrolled.name, global_step,
+                     ", ".join(f"{tag} = {value!s}" for tag, value in values.items()))
 
 
 class NonFiniteLossError(V1.train.NanLossDuringTrainingError):

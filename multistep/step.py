@@ -176,8 +176,8 @@ class Step:
         if self.update_ops == "all":
             own = [op for op in forward if op not in initializers]
             lint.order_as_built(own)
-            writes = [op for op in own if lint.is_write(op)]
-            return collected + [op for op in writes if op not in set(collected)]
+            listed = set(collected)
+            return collected + [op for op in own if lint.is_write(op) and op not in listed]
         return collected
 
     def _after(self, apply_op):
