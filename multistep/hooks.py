@@ -231,7 +231,21 @@ class StopAtStepHook(V1.train.SessionRunHook):
             run_context.request_stop()
 
 
-class _EveryNStepsHook(V1.train.SessionRunHook):
+class _RunsHook(V1.train.SessionRunHook):
+    """A hook that reads each training run's ``[n]`` vectors through ``self._runs``."""
+
+    def begin(self):
+        self._runs.begin()
+
+    def before_run(self, run_context):
+        return self._runs.before(run_context)
+
+    def _run(self, run_context, run_values):
+        """The run's vectors, or None for a run that made no step."""
+        return self._runs.after(run_values.results, run_context.session)
+
+
+class _EveryNStepsHook(_RunsHook):
     """The protocol the per-step hooks share: fetch the run's ``[n]`` vectors, then hand
     the inner steps chosen every ``every_n_steps`` to ``_emit(global_step, values)``."""
 
@@ -241,14 +255,11 @@ class _EveryNStepsHook(V1.train.SessionRunHook):
         self._timer = None
 
     def begin(self):
-        self._runs.begin()
+        super().begin()
         self._timer = _StepTimer(self._every)
 
-    def before_run(self, run_context):
-        return self._runs.before(run_context)
-
     def after_run(self, run_context, run_values):
-        run = self._runs.after(run_values.results, run_context.session)
+        run = self._run(run_context, run_values)
         if run is None:
             return
         series = {"loss": run.losses, **run.records}
@@ -325,7 +336,7 @@ class NonFiniteLossError(V1.train.NanLossDuringTrainingError):
         return self.message
 
 
-class NanHook(V1.train.SessionRunHook):
+class NanHook(_RunsHook):
     """Checks the loss of every inner step of a run (TensorFlow's ``NanTensorHook``
     checks one scalar, the run's): NaN or infinite in any of them raises
     ``NonFiniteLossError`` (a ``NanLossDuringTrainingError``) naming the first such
@@ -345,14 +356,8 @@ class NanHook(V1.train.SessionRunHook):
         self._runs = _Runs(unrolled, "NanHook", needs_global_step=False)
         self._fail = bool(fail_on_nan_loss)
 
-    def begin(self):
-        self._runs.begin()
-
-    def before_run(self, run_context):
-        return self._runs.before(run_context)
-
     def after_run(self, run_context, run_values):
-        run = self._runs.after(run_values.results, run_context.session)
+        run = self._run(run_context, run_values)
         if run is None:
             return
         bad = np.flatnonzero(~np.isfinite(run.losses))

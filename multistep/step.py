@@ -282,10 +282,8 @@ def _apply_op(applied):
     """The op of what ``apply_gradients`` returned. In the replica context of a
     ``tf.distribute`` strategy that is this replica's value of its ``merge_call``
     (the global step's update: a tensor, after every replica's variable updates)."""
-    if isinstance(applied, tf.Operation):
-        return applied
-    if isinstance(applied, tf.Tensor):
-        return applied.op
+    if isinstance(applied, (tf.Operation, tf.Tensor)):
+        return _as_op(applied)
     local = tf.distribute.get_strategy().experimental_local_results(applied)
     return tf.group(*[_as_op(v) for v in tf.nest.flatten(local)])
 
