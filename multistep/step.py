@@ -191,19 +191,29 @@ class Step:
 
     def _checked(self, k, loss, grads_and_vars):
         """The loss and gradients through CheckNumerics: a non-finite value stops the run
-        before this step's apply, with a message naming the step and the variable."""
+        before this step's apply, with a message naming the step and the variable.
+
+        The checks run one after another, the gradients in ``var_list`` order and then
+        the loss, so that when several values are non-finite the same one is reported
+        every time (unordered, whichever check ran first raised: a race).
+        """
         step = f"inner step {k}" if isinstance(k, int) else "an inner step in 2..N (the loop body)"
+        previous = []
 
         def check(x, what):
             message = (f"{self.label}: {step} has a non-finite {what}; that step was not "
                        f"applied, the steps before it were (nonfinite='skip' skips such steps)")
+            values = x.values if isinstance(x, tf.IndexedSlices) else x
+            with tf.control_dependencies(previous):
+                checked = tf.debugging.check_numerics(values, message)
+            previous[:] = [checked]
             if isinstance(x, tf.IndexedSlices):
-                return tf.IndexedSlices(tf.debugging.check_numerics(x.values, message),
-                                        x.indices, x.dense_shape)
-            return tf.debugging.check_numerics(x, message)
+                return tf.IndexedSlices(checked, x.indices, x.dense_shape)
+            return checked
 
-        return check(loss, "loss"), [(None if g is None else check(g, f"gradient for {v.op.name!r}"), v)
-                                     for g, v in grads_and_vars]
+        grads_and_vars = [(None if g is None else check(g, f"gradient for {v.op.name!r}"), v)
+                          for g, v in grads_and_vars]
+        return check(loss, "loss"), grads_and_vars
 
     def _apply_if(self, finite, grads_and_vars):
         """Apply when ``finite``; else only advance the global step and count the skip."""
