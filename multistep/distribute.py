@@ -15,12 +15,15 @@ of all of them, so a run is N single distributed steps:
 the replicas' losses.
 """
 
+import contextlib
+import re
+
 import tensorflow as tf
 
 from multistep.unroll import Unrolled, positive_int
 from multistep.unroll import unroll as _unroll
 
-__all__ = ["REDUCE", "unroll"]
+__all__ = ["REDUCE", "WorkerLostError", "catch_lost_worker", "set_collective_timeout", "unroll"]
 
 REDUCE = {"mean": tf.distribute.ReduceOp.MEAN, "sum": tf.distribute.ReduceOp.SUM}
 
@@ -43,7 +46,8 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
         dimension N, the same for every replica. An iterator's N batches are taken at
         the start of the run (the data only: no step reads trained state early).
       reduce: ``"mean"`` or ``"sum"``: how ``losses`` (and ``records``) combine the
-        replicas' values.
+        values of all the replicas in sync (under MultiWorkerMirroredStrategy, every
+        worker's: a collective, so every worker must run the same ops).
       **options: ``ms.unroll``'s keyword options (``grad_transforms``, ``global_step``,
         ``update_ops``, ``after_apply``, ``record``, ``nonfinite``, ...). Under a strategy
         ``mode`` must be ``"unrolled"``, ``xla`` False, ``nonfinite`` not ``"skip"``.
@@ -108,8 +112,10 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
 
         def reduced(pick):
             values = [pick(u) for u in built]
-            if len(values) == 1:
-                return values[0]
+            if strategy.num_replicas_in_sync == 1:
+                return values[0]  # one replica in all: nothing to reduce
+            # Every replica of the cluster: under MultiWorkerMirroredStrategy this worker
+            # holds only its own replicas' values, and the reduce is a collective.
             return strategy.reduce(REDUCE[reduce], _per_replica(values), axis=None)
 
         losses = reduced(lambda u: u.losses)
@@ -121,7 +127,9 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
 
 
 def _per_replica(values):
-    from tensorflow.python.distribute import values as values_lib  # PerReplica: no public constructor
+    from tensorflow.python.distribute import (
+        values as values_lib,  # PerReplica: no public constructor
+    )
 
     return values_lib.PerReplica(tuple(values))
 
@@ -133,3 +141,100 @@ def _distributed(var_list, strategy):
         for local in strategy.experimental_local_results(v):
             owner[id(local)] = v
     return tuple(owner.get(id(v), v) for v in var_list)
+
+
+def set_collective_timeout(strategy, seconds):
+    """Every all-reduce ``strategy`` builds from now on fails after ``seconds``
+    (``tf.errors.DeadlineExceededError``) if a peer does not take part.
+
+    For ``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``, whose v1
+    constructor takes no ``CommunicationOptions``: without a timeout, a worker that
+    hangs, is stopped or dies while no request to it is pending leaves the others
+    waiting forever (graph mode runs no health check). A dead peer with a request
+    pending fails at once (``UnavailableError``), timeout or not. Call this before
+    building: the optimizer's all-reduces and ``unroll``'s loss reduction take the
+    timeout as they are built. Pick it well above the longest a worker may lag
+    behind the others between two collectives (a checkpoint save, a slow step).
+    The broadcast of the variables' initial values takes no timeout: bound that
+    ``sess.run`` with ``tf.compat.v1.RunOptions(timeout_in_ms=...)``.
+    Returns ``strategy``.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}.")
+    extended = strategy.extended
+    if not hasattr(extended, "_communication_options"):
+        raise TypeError(f"{type(strategy).__name__} has no collective communication options to "
+                        "time out; use MultiWorkerMirroredStrategy.")
+    # The v1 strategy merges these options into every reduce it builds (tf.distribute's
+    # CommunicationOptions(timeout_seconds=...), which only the v2 constructor accepts).
+    extended._communication_options = extended._communication_options.merge(
+        tf.distribute.experimental.CommunicationOptions(timeout_seconds=float(seconds)))
+    return strategy
+
+
+class WorkerLostError(RuntimeError):
+    """A collective all-reduce could not complete: a peer worker died, hung or was stopped.
+
+    ``cause`` is TensorFlow's error; ``peer`` the task it names (or None); ``timeout``
+    the strategy's collective timeout in seconds (or None)."""
+
+    def __init__(self, message, cause, peer=None, timeout=None):
+        super().__init__(message)
+        self.cause, self.peer, self.timeout = cause, peer, timeout
+
+
+_PEER = re.compile(r"remote target (/job:[^/\s]+/replica:\d+/task:\d+)")
+
+
+@contextlib.contextmanager
+def catch_lost_worker(strategy=None):
+    """Turns TensorFlow's errors for a lost peer in a collective into ``WorkerLostError``.
+
+    A synchronous multi-worker step needs every worker: if one dies, the others' runs
+    fail with ``UnavailableError`` (its connection reset) or, after the collective
+    timeout (``set_collective_timeout``), ``DeadlineExceededError``; later runs in the
+    same process fail with the first error again. Both are re-raised as one error that
+    says what happened and what to do: restart every worker and restore the last
+    checkpoint. Other errors pass through unchanged.
+
+    Example::
+
+        with ms.distribute.catch_lost_worker(strategy):
+            losses = unrolled.run(sess)
+    """
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.CancelledError, tf.errors.AbortedError) as error:
+        text = error.message or ""
+        if "ollective" not in text:  # not a collective's failure
+            raise
+        raise _lost(error, strategy) from error
+
+
+def _lost(error, strategy):
+    text = error.message or ""
+    options = getattr(getattr(strategy, "extended", None), "_communication_options", None)
+    timeout = getattr(options, "timeout_seconds", None) or None
+    found = _PEER.search(text)
+    peer = found.group(1) if found else None
+    node = getattr(getattr(error, "op", None), "name", None)
+    where = f" (node {node})" if node else ""
+    if isinstance(error, tf.errors.DeadlineExceededError):
+        what = (f"no peer took part within the collective timeout ({timeout:g} s): a worker hung, "
+                f"was stopped or died" if timeout else
+                "the collective timed out: a worker hung, was stopped or died")
+    else:
+        reason = re.search(r"grpc_message:\"([^\"]*)\"", text) or re.search(r"aborted by: (.*)", text)
+        what = (f"peer {peer or 'worker'} is unreachable" + (f" ({reason.group(1)})" if reason else "")
+                + ": it died or its connection was reset")
+    message = (f"a collective all-reduce{where} could not complete: {what}. A synchronous "
+               f"multi-worker step needs every worker, and this session cannot go on: stop every "
+               f"worker, start them all again and restore the last checkpoint. "
+               f"(TensorFlow: {type(error).__name__}: {_collective_line(text)})")
+    return WorkerLostError(message, error, peer=peer, timeout=timeout)
+
+
+def _collective_line(text):
+    lines = [line.strip() for line in text.splitlines() if "ollective" in line and "node" not in line]
+    return lines[0] if lines else text.strip().splitlines()[0] if text.strip() else ""
