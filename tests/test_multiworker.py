@@ -13,17 +13,21 @@ ports and stops them, every wait bounded):
   part (alive, asleep) and worker 0's next run must fail after the collective timeout.
 
 Each worker builds the same graph in the same order (collective keys are allocated as
-ops are built): the fused model first, then the single one."""
+ops are built): the fused model first, then the single one.
+
+Parameter servers (one subprocess holding a ps and a worker server): ms.unroll under
+replica_device_setter against local opt.minimize single steps."""
 
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from multistep.cluster import PortTakenError, Workers
+from multistep.cluster import PORT_TAKEN, PortTakenError, Workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RUNS, KEPT, TIMEOUT = 3, 4, 2, 5  # as in the worker script
@@ -281,3 +285,129 @@ def test_catch_lost_worker_lets_other_errors_through():
         raise tf.errors.UnavailableError(None, None, "socket closed by a feed")
     with pytest.raises(ValueError, match="seconds must be > 0"):
         ms.distribute.set_collective_timeout(None, 0)
+
+
+PS_SCRIPT = r"""
+import json
+
+import numpy as np
+import tensorflow as tf
+
+tf.compat.v1.disable_eager_execution()
+tf.get_logger().setLevel("ERROR")
+import multistep as ms  # noqa: E402
+from multistep.cluster import free_ports  # noqa: E402
+
+V1 = tf.compat.v1
+ports = free_ports(2)
+cluster = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
+ps = tf.distribute.Server(cluster, job_name="ps", task_index=0)
+worker = tf.distribute.Server(cluster, job_name="worker", task_index=0)
+STEPS, RUNS, BATCH = 3, 3, 8
+rng = np.random.RandomState(0)
+X = rng.randn(RUNS, STEPS, BATCH, 3).astype(np.float32)
+Y = rng.randn(RUNS, STEPS, BATCH, 2).astype(np.float32)
+W0 = rng.randn(3, 2).astype(np.float32)
+
+
+def model():
+    with V1.variable_scope("dense"):
+        w = V1.get_variable("w", initializer=W0)
+        b = V1.get_variable("b", initializer=np.zeros(2, np.float32))
+    gs = V1.train.get_or_create_global_step()
+    return (lambda x, y: tf.reduce_sum(tf.square(tf.matmul(x, w) + b - y)) / BATCH), gs
+
+
+def optimizer(name):
+    return V1.train.AdamOptimizer(0.1) if name == "adam" else V1.train.GradientDescentOptimizer(0.1)
+
+
+def fused(name, mode, clip):
+    graph = tf.Graph()
+    with graph.as_default():
+        with V1.device(V1.train.replica_device_setter(cluster=cluster,
+                                                      worker_device="/job:worker/task:0")):
+            loss_fn, gs = model()
+            k = V1.placeholder(tf.int32, [])
+            inputs = (tf.gather(tf.constant(X), k), tf.gather(tf.constant(Y), k))
+            u = ms.unroll(loss_fn, optimizer(name), STEPS, inputs=inputs, global_step=gs, mode=mode,
+                          grad_transforms=[ms.clip_by_global_norm(clip)] if clip else [])
+        init = V1.global_variables_initializer()
+        variables = V1.global_variables()
+    sess = V1.Session(worker.target, graph=graph)
+    sess.run(init)
+    return sess, variables, lambda r: sess.run(u.losses, {k: r})
+
+
+def single(name, clip):  # the canonical local single step: opt.minimize, one sess.run each
+    graph = tf.Graph()
+    with graph.as_default():
+        loss_fn, gs = model()
+        x, y = V1.placeholder(tf.float32, [BATCH, 3]), V1.placeholder(tf.float32, [BATCH, 2])
+        loss = loss_fn(x, y)
+        opt = optimizer(name)
+        if clip:
+            grads, tvars = zip(*opt.compute_gradients(loss))
+            grads, _ = tf.clip_by_global_norm(grads, clip)
+            train = opt.apply_gradients(zip(grads, tvars), global_step=gs)
+        else:
+            train = opt.minimize(loss, global_step=gs)
+        init = V1.global_variables_initializer()
+        variables = V1.global_variables()
+    sess = V1.Session(graph=graph)
+    sess.run(init)
+    return sess, variables, lambda r: np.array(
+        [sess.run([loss, train], {x: X[r, s], y: Y[r, s]})[0] for s in range(STEPS)], np.float32)
+
+
+results = {}
+for name, mode, clip in [("adam", "unrolled", None), ("sgd", "unrolled", 0.5),
+                         ("adam", "while_loop", None)]:
+    fs, fv, frun = fused(name, mode, clip)
+    ss, sv, srun = single(name, clip)
+    runs = []
+    for r in range(RUNS):
+        got, want = frun(r), srun(r)
+        a = dict(zip([v.name for v in fv], fs.run(fv)))
+        b = dict(zip([v.name for v in sv], ss.run(sv)))
+        runs.append({"same": sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+                             and got.tobytes() == want.tobytes(),
+                     "max_diff": max(float(np.max(np.abs(a[n].astype(np.float64) - b[n])))
+                                     for n in a if n in b)})
+    results[f"{name}_{mode}_{clip}"] = {"runs": runs, "devices": {v.name: v.device for v in fv},
+                                        "step": int(a["global_step:0"])}
+    fs.close()
+    ss.close()
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def ps_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ps") / "ps.py"
+    path.write_text(PS_SCRIPT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    for attempt in range(3):  # again on new ports if one was taken before its server bound it
+        done = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        if done.returncode == 0 or not any(s in done.stderr for s in PORT_TAKEN) or attempt == 2:
+            break
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", ["adam_unrolled_None", "sgd_unrolled_0.5", "adam_while_loop_None"])
+def test_parameter_server_fused_steps_equal_local_single_steps_bitwise(ps_results, case):
+    """Between-graph replication, one ps and one worker (in-process servers on
+    127.0.0.1): ms.unroll under replica_device_setter, a session on the worker, the
+    variables and every optimizer slot on the ps; 3 runs of 3 steps against 9 local
+    opt.minimize steps: every variable by name and the losses, bit for bit."""
+    got = ps_results[case]
+    assert [r["same"] for r in got["runs"]] == [True] * 3, got["runs"]
+    assert got["step"] == 9
+    devices = got["devices"]
+    assert "dense/w:0" in devices and "global_step:0" in devices
+    if case.startswith("adam"):
+        assert {"dense/w/Adam:0", "dense/b/Adam_1:0", "beta1_power:0"} <= set(devices)
+    assert set(devices.values()) == {"/job:ps/task:0"}, devices
