@@ -113,6 +113,10 @@ def _parser():
                        help="train with an update rule instead of --optimizer")
     blobs.add_argument("--modulus", type=_positive_float, metavar="B",
                        help="with --rule compact-sgd: weights live in [0, B)")
+    blobs.add_argument("--replicas", type=_positive, default=1, metavar="R",
+                       help="train under MirroredStrategy over R logical CPU devices, each "
+                            "replica its share of the points, gradients all-reduced every step "
+                            "(default 1: no strategy); needs --mode unrolled")
     blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
                        help="TensorBoard runs fused_N and single are (re)written here "
                             "(default tensorboard_logs/blobs)")
@@ -203,6 +207,13 @@ def _blobs(args):
     if (args.rule is None) != (args.modulus is None):
         print("multistep blobs: --rule compact-sgd and --modulus B go together", file=sys.stderr)
         return 2
+    if args.replicas > 1 and (args.mode != "unrolled" or args.steps == "auto"):
+        print("multistep blobs: --replicas needs --mode unrolled and a number of --steps (under a "
+              "strategy each step's all-reduce is a merge_call, which cannot run in a loop body)",
+              file=sys.stderr)
+        return 2
+    if args.replicas > 1:  # before TensorFlow makes its first session
+        blobs.logical_cpus(args.replicas)
     transforms = _blob_transforms(args)
     if args.rule:
         optimizer = f"RuleOptimizer({ms.rules.compact_sgd(args.modulus).__name__}, lr={args.lr:g})"
@@ -210,7 +221,7 @@ def _blobs(args):
         optimizer = f"{type(blobs.make_optimizer(args.optimizer, args.lr)).__name__}(lr={args.lr:g})"
     build = functools.partial(blobs.build, optimizer=args.rule or args.optimizer, lr=args.lr,
                               seed=args.seed, grad_transforms=transforms, modulus=args.modulus,
-                              mode=args.mode)
+                              mode=args.mode, replicas=args.replicas)
     if args.steps == "auto":
         args.mode = "while_loop"
         build = functools.partial(build, mode="while_loop")
@@ -220,6 +231,11 @@ def _blobs(args):
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
           f"dense 2->2 from ones; {optimizer}; mode={args.mode}"
           + "".join(f"; {t.__name__}" for t in transforms))
+    if args.replicas > 1:
+        local = " (the transforms see each replica's own, before)" if transforms else ""
+        print(f"MirroredStrategy over {args.replicas} logical CPUs: each replica takes its share of "
+              f"the 50 points (loss: its cross-entropy sum / 50); every step all-reduces (sums) "
+              f"the replicas' gradients{local}; losses summed over the replicas")
     print(f"{args.runs} runs of {n} steps (one sess.run each) beside "
           f"{args.runs * n} runs of 1 step; ► r marks the first step of {n}-step run r\n")
     report = ms.verify(build, steps=n, runs=args.runs,

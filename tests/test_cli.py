@@ -164,3 +164,26 @@ def test_blobs_steps_auto_picks_n_and_still_verifies(tmp_path):
     chosen = int(re.search(r"AutoStepsHook .* N = (\d+)", result.stdout).group(1))
     assert 1 <= chosen <= 16  # never past --max-steps
     assert f"2 runs of {chosen} steps" in result.stdout and "max |Δ| = 0 (bitwise equal)" in result.stdout
+
+
+def test_blobs_on_two_replicas(tmp_path):
+    """MirroredStrategy over two logical CPUs (configured by the command before its first
+    session): the side-by-side table and the verification hold."""
+    result = multistep("blobs", "--replicas", "2", "--steps", "3", "--runs", "2", "--optimizer", "adam",
+                       "--lr", "0.1", "--logdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "MirroredStrategy over 2 logical CPUs" in out
+    rows = re.findall(r"^\s+(\d+)\s+(?:►\s+(\d+))?\s+(\d\.\d{8})\s+(\d\.\d{8})\s+(\S+)$", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r[2] == r[3] for r in rows)
+    # The replicas' halves summed: ln 2 at ones. Rounding: the log (2u), each replica's
+    # 25-term sum (24u) and its division by 50 (u), the all-reduce's one addition (u): 28u
+    # relative, inside the one-device test's bound above (52u, plus the printed 5e-9).
+    assert float(rows[0][2]) == pytest.approx(0.69314718, rel=0, abs=5e-9 + 52 * 2.0 ** -24 * 0.6931472)
+    assert "max |Δ| = 0 (bitwise equal)" in out and ": OK" in out
+
+
+def test_blobs_replicas_need_unrolled_mode():
+    result = multistep("blobs", "--replicas", "2", "--mode", "while_loop")
+    assert result.returncode == 2 and "--replicas needs --mode unrolled" in result.stderr
