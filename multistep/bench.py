@@ -118,15 +118,21 @@ def _v1_method(mode, xla):
                 op, calls = optimizer.minimize(_graph_loss_fn(problem)(), global_step=gs), steps
             else:
                 op = unroll(_graph_loss_fn(problem), optimizer, steps, global_step=gs, mode=mode,
-                            xla=xla).train_op
+                            xla=xla)
                 calls = 1
             init = V1.global_variables_initializer()
             graph.finalize()
             with V1.Session() as sess:
                 sess.run(init)
                 # make_callable: the fastest way TF1 runs a fixed fetch, with sess.run's
-                # argument handling done once.
-                call = sess.make_callable(op) if mode == "make_callable" else lambda: sess.run(op)
+                # argument handling done once. Fused: Unrolled.run, as a user runs it (its
+                # losses fetched; through a cached make_callable).
+                if mode == "make_callable":
+                    call = sess.make_callable(op)
+                elif mode == "sess.run":
+                    call = lambda: sess.run(op)
+                else:
+                    call = lambda: op.run(sess)
 
                 def run_steps():
                     for _ in range(calls):
@@ -139,8 +145,15 @@ class _Skipped(Exception):
     """A method that cannot run here; its message is the table's note."""
 
 
-def _jax_method(problem, steps, timing):
-    """The same model and Adam in JAX: ``jit`` of a ``fori_loop`` of N optax steps."""
+def _jax_method(losses):
+    def method(problem, steps, timing):
+        return _jax_steps(problem, steps, timing, losses=losses)
+    return method
+
+
+def _jax_steps(problem, steps, timing, *, losses):
+    """The same model and Adam in JAX: ``jit`` of a ``fori_loop`` of N optax steps; with
+    ``losses``, each step's loss kept in an ``[N]`` array too, as ``ms.unroll`` returns."""
     try:
         import jax
         import jax.numpy as jnp
@@ -160,13 +173,16 @@ def _jax_method(problem, steps, timing):
                 h = jax.nn.relu(h)
         return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
 
-    def step(_, state):
-        params, opt_state = state
-        updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)
-        return optax.apply_updates(params, updates), opt_state
+    def step(i, state):
+        params, opt_state, kept = state
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        if losses:
+            kept = kept.at[i].set(value)
+        return optax.apply_updates(params, updates), opt_state, kept
 
     run = jax.jit(lambda state: jax.lax.fori_loop(0, steps, step, state))
-    state = [(params, optimizer.init(params))]
+    state = [(params, optimizer.init(params), jnp.zeros(steps if losses else 0))]
 
     def run_steps():
         state[0] = jax.block_until_ready(run(state[0]))
@@ -235,7 +251,8 @@ METHODS = {
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
     "keras spe=N": _keras_method,
-    "jax fori_loop": _jax_method,
+    "jax fori_loop": _jax_method(losses=False),
+    "jax fori_loop+losses": _jax_method(losses=True),  # like ms.unroll: the [N] losses too
 }
 BASELINES = ("sess.run x N", "make_callable x N")
 # Unrolled XLA compiles N copies of the step; past this N the compile takes minutes.

@@ -25,7 +25,8 @@ from tensorflow.python.ops import variable_scope as variable_scope_lib  # the sc
 
 from multistep import lint, transforms
 
-__all__ = ["CreationGuard", "Step", "check_resource_variables", "learning_rate_of"]
+__all__ = ["CreationGuard", "Step", "check_resource_variables", "ensure_variable_stores",
+           "learning_rate_of"]
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class Step:
     after_apply: object = None
     label: str = "multistep"
     skipped: object = None
+    halted: object = None  # xla=True with nonfinite="raise": int32 [2] variable (_halt_unless_finite)
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     names: object = None  # the name counters as step 1 found them
@@ -84,13 +86,17 @@ class Step:
             run_first = self._update_ops(collected, forward, initializers)
             with tf.control_dependencies(run_first):
                 outputs, apply_op = self._descend(k, loss, local, tape, forward)
-        end = _every_replica(apply_op if self.nonfinite == "skip" else self._after(apply_op))
+        conditional = self.nonfinite == "skip" or self.halted is not None  # after_apply in the cond
+        end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
+        if all(v.op.type == "VarHandleOp" for v in self.state()) and all(
+                op.type == "VarHandleOp" for op in self.written):
+            _free_constants(ops)  # resource variables only: see there
         return outputs, end
 
     def _descend(self, k, loss, local, tape, forward):
@@ -106,15 +112,18 @@ class Step:
         if self.record:
             with self.guard.scope("record"):
                 outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-        if self.nonfinite == "raise":
+        if self.nonfinite == "raise" and self.halted is None:
             with self.guard.scope("check"):
                 loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
+        elif self.nonfinite == "raise":  # compiled (XLA): halt here, raise after the program
+            with self.guard.scope("check"):
+                finite, otherwise = self._halt_unless_finite(k, loss, grads_and_vars)
         elif self.nonfinite == "skip":
             with self.guard.scope("check"):
-                finite = _all_finite([loss] + [g for g, _ in grads_and_vars])
+                finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
         with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
-            if self.nonfinite == "skip":
-                return outputs, self._apply_if(finite, grads_and_vars)
+            if self.nonfinite == "skip" or self.halted is not None:
+                return outputs, self._apply_if(finite, grads_and_vars, otherwise)
             with self._slots_scope(k):
                 return outputs, _apply_op(self.optimizer.apply_gradients(
                     grads_and_vars, global_step=self.global_step))
@@ -215,10 +224,37 @@ class Step:
                           for g, v in grads_and_vars]
         return check(loss, "loss"), grads_and_vars
 
-    def _apply_if(self, finite, grads_and_vars):
-        """Apply when ``finite``; else only advance the global step and count the skip."""
+    def _halt_unless_finite(self, k, loss, grads_and_vars):
+        """XLA does not raise from CheckNumerics (it compiles to nothing), so in a compiled
+        program ``nonfinite="raise"`` halts instead: the first step with a non-finite
+        value, and every step after it, applies nothing, and ``halted`` keeps
+        ``[that step, 1 + the index of the value]`` (gradients in ``var_list`` order, then
+        the loss, as ``_checked`` orders its checks) for the check after the program
+        (``raise_if_halted``). Returns (whether to apply, what to do instead)."""
+        values = [g for g, _ in grads_and_vars] + [loss]
+        flags = tf.stack([_all_finite([v]) for v in values])
+        at = self.halted.read_value()
+        running = tf.equal(at[0], 0)
+
+        def halt():
+            which = tf.reduce_min(tf.where(flags, len(values), tf.range(len(values))))
+            now = tf.stack([tf.cast(k, tf.int32), which + 1])
+            return self.halted.assign(tf.where(running, now, at), read_value=False)
+
+        return tf.logical_and(running, tf.reduce_all(flags)), halt
+
+    def _skip(self):
+        """A skipped step (``nonfinite="skip"``): advance the global step, count the skip."""
+        updates = [self.skipped.assign_add(1)]
+        if self.global_step is not None:
+            updates.append(self.global_step.assign_add(1))
+        return tf.group(*updates)
+
+    def _apply_if(self, finite, grads_and_vars, otherwise):
+        """Apply when ``finite``; else run ``otherwise()`` (skip, or halt)."""
         check_resource_variables([v for _, v in grads_and_vars] + (
-            [self.global_step] if self.global_step is not None else []), "nonfinite='skip'")
+            [self.global_step] if self.global_step is not None else []),
+            "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True")
 
         def apply():  # a skipped step runs no after_apply: only this branch has one
             with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
@@ -226,10 +262,7 @@ class Step:
                 return tf.constant(True)
 
         def skip():
-            updates = [self.skipped.assign_add(1)]
-            if self.global_step is not None:
-                updates.append(self.global_step.assign_add(1))
-            with tf.control_dependencies(updates):
+            with tf.control_dependencies([otherwise()]):
                 return tf.constant(False)
 
         return tf.cond(finite, apply, skip).op
@@ -239,6 +272,28 @@ class Step:
         skip counter (``written`` has every variable a step writes, these and others)."""
         state = list(self.var_list) + self.optimizer.variables()
         return state + [v for v in (self.global_step, self.skipped) if v is not None]
+
+
+def _free_constants(ops):
+    """Move the control inputs that ``tf.control_dependencies`` gave this step's constants
+    (the learning rate and betas the optimizer makes per apply, a loss's literals, static
+    shapes) onto the ops that use them. A constant reads and writes nothing; without them the
+    executor no longer runs each step's copies one by one: Grappler merges equal constants
+    across steps (common-subgraph elimination) and folds them into the graph. Constants in
+    a v1 control-flow context keep theirs: it places them in the loop's or cond's frame.
+
+    Only for steps on resource variables, whose every read is its own ReadVariableOp,
+    ordered by its own control inputs. A ref variable is read by the op that consumes it
+    (through the one ``w/read`` alias), so its order may rest on a constant's control
+    input; moved onto the consumer, Grappler no longer kept the order alike in both
+    graphs (a bias 7.5e-9 off after two steps, test_unroll's ref cases)."""
+    for op in ops:
+        if op.type == "Const" and op.control_inputs and op._control_flow_context is None:
+            # Its consumers take its control inputs over: tf.control_dependencies gives
+            # none to an op whose input already has them, so they may order a consumer.
+            for consumer in op.outputs[0].consumers():
+                consumer._add_control_inputs(op.control_inputs)
+            op._remove_all_control_inputs()  # (no public way to drop them)
 
 
 def _as_op(value):
@@ -412,6 +467,20 @@ def learning_rate_of(optimizer):
     return None
 
 
+def raise_if_halted(halted, var_list, label):
+    """After a compiled program: an op that raises (InvalidArgumentError) if a step halted
+    it (``Step._halt_unless_finite``), with the message a CheckNumerics gives unrolled."""
+    at = halted.read_value()
+    # Assert escapes quotes in the strings it prints: the names go unquoted.
+    whats = tf.constant([f"gradient for variable {v.op.name}" for v in var_list] + ["loss"])
+    message = tf.strings.join([
+        f"{label}: inner step ", tf.strings.as_string(at[0]), " has a non-finite ",
+        tf.gather(whats, tf.maximum(at[1] - 1, 0)),
+        "; that step and those after it were not applied, the steps before it were "
+        "(nonfinite=skip skips such steps)"])
+    return tf.debugging.Assert(tf.equal(at[0], 0), [message], name="check_finite")
+
+
 def _all_finite(tensors):
     values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
@@ -441,6 +510,7 @@ class CreationGuard:
         self.base = graph.get_name_scope()
         self.step = 1
         self.created = []  # every variable made under this guard, in order
+        self.lift = False  # True: step 1 is built in a compiled program (xla=True)
         self._prefix = None
 
     @contextlib.contextmanager
@@ -464,15 +534,32 @@ class CreationGuard:
         # once per sess.run: every step after the first would reuse it. Without one, each
         # step reads the variable itself; the value read is the same, so single steps match.
         kwargs["caching_device"] = None
-        current = self.graph.get_name_scope() + "/"
+        current = tf.compat.v1.get_default_graph().get_name_scope()
+        current = current + "/" if current else ""
         if self._prefix is None or not current.startswith(self._prefix):
+            where = current if self.lift else None  # None: where it is asked for
+        else:
+            where = (self.base + "/" if self.base else "") + current[len(self._prefix):]
+        if self.lift:  # the compiled program's step 1: made in this graph, not the program's
+            kwargs["experimental_enable_variable_lifting"] = False  # a plain variable (tf.function)
+            with tf.init_scope(), self.graph.name_scope(where):
+                variable = next_creator(**kwargs)
+        elif where is None:
             variable = next_creator(**kwargs)
         else:
-            rest = current[len(self._prefix):]
-            with self.graph.name_scope((self.base + "/" if self.base else "") + rest):
+            with self.graph.name_scope(where):
                 variable = next_creator(**kwargs)
         self.created.append(variable)
         return variable
+
+
+def ensure_variable_stores():
+    """Give the default graph its variable and variable-scope stores now. A compiled
+    program's graph shares the stores its outer graph has when the program is traced
+    (it copies the collections that hold them), so ``get_variable`` inside it finds and
+    makes the variables the outer graph's ``get_variable`` finds."""
+    variable_scope_lib._get_default_variable_store()  # (no public accessor)
+    variable_scope_lib.get_variable_scope_store()
 
 
 def _reuse_variables(reuse):

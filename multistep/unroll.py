@@ -19,6 +19,7 @@ import numbers
 import re
 import time
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -69,15 +70,27 @@ class Unrolled:
     skipped_steps: object = None
     steps_per_run: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
+    _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
+                                           repr=False, compare=False)  # session -> callable
 
     def run(self, session, feed_dict=None):
         """Runs the steps once; returns their losses (numpy ``[N]``, loop mode ``[steps_per_run]``).
+
+        Without a feed, on a ``tf.compat.v1.Session``, it calls a callable made once
+        per session (``Session.make_callable``: the same fetch, without ``sess.run``'s
+        per-call argument handling; with a feed, ``make_callable`` would call
+        ``sess.run`` itself). Otherwise ``session.run`` (a ``MonitoredSession``'s hooks
+        must see each run).
 
         If a ``tf.data`` input runs out in the middle of the run, the steps
         before stay applied and ``InputExhaustedError`` says how many.
         """
         try:
-            return session.run(self.losses, feed_dict)
+            if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
+                return session.run(self.losses, feed_dict)
+            if session not in self._callables:
+                self._callables[session] = session.make_callable(self.losses)
+            return self._callables[session]()
         except tf.errors.OutOfRangeError as error:
             raise InputExhaustedError(self._exhausted_message(session, error), error) from error
 
@@ -106,7 +119,9 @@ class Unrolled:
         session.run(self._run_length.assign, {self._run_length.value: int(n)})
 
     def _exhausted_message(self, session, error):
-        where = re.search(rf"{re.escape(self.name)}/step_(\d+)/", getattr(error.op, "name", "") or "")
+        # The op that ran out; make_callable's errors name it only in their message.
+        failed = getattr(error.op, "name", None) or error.message
+        where = re.search(rf"{re.escape(self.name)}/step_(\d+)/", failed)
         length = self.steps if self._run_length is None else session.run(self._run_length.read)
         if where:
             applied = int(where.group(1)) - 1
@@ -122,6 +137,9 @@ class Unrolled:
             done += f"; the global step is now {session.run(self.global_step)}"
         return (f"{self.name}: the input ran out during a run: {done}. Re-initialise or "
                 f"repeat the dataset, or make it a multiple of {length} batches long.")
+
+
+_PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
 
 
 class InputExhaustedError(tf.errors.OutOfRangeError):
@@ -196,9 +214,14 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         dependencies (the graph grows with N). ``"while_loop"``: step 1, which
         creates the variables and slots, then one ``tf.while_loop`` body for
         steps 2..N (graph size independent of N; resource variables only).
-      xla: compile steps 2..N with XLA (``tf.function(jit_compile=True)``).
-        Results then match single steps within floating-point tolerance, not
-        bitwise: XLA fuses and reorders the arithmetic.
+      xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
+        called from the graph; step 1 makes the variables and slots in the graph from
+        inside it). Results then match single steps within floating-point tolerance,
+        not bitwise: XLA fuses and reorders the arithmetic. XLA compiles CheckNumerics
+        to nothing, so there ``nonfinite="raise"`` halts the program at the first
+        non-finite step (it and the steps after it apply nothing) and an ``Assert``
+        after the program raises ``InvalidArgumentError`` naming the step; UPDATE_OPS
+        that ``loss_fn`` adds stay in the program, not in the graph's collection.
       record: per-step quantities to return beside the losses, in
         ``Unrolled.records``: ``"grad_norm"`` (global L2 norm of the gradients
         that are applied, after the transforms) and ``"learning_rate"`` (the
@@ -290,48 +313,65 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         feed = Inputs(inputs, steps, xla=xla)
         run_length = (_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
-        graph = tf.compat.v1.get_default_graph()
-        first_op = len(graph.get_operations())
-        started = time.perf_counter()
-        with tf.name_scope("step_1"):
-            first, end = step.build(1, feed.args(0), deps=[])
-        step_seconds = time.perf_counter() - started
-        step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
-        watched = {**lint.watched_variables(step.state()), **step.written}
-        lint.warn_stateful_random(end, name=label)
-        if mode == "while_loop" and steps > 1:
-            step_lib.check_resource_variables(step.state(), "mode='while_loop'")
-        if mode == "unrolled" and steps > 1:
-            _check_graph_size(graph, step_bytes, steps, label)
-            _warn_slow_build(step_seconds, steps, label)
-
-        def rest(after, count):
-            """Steps 2..N (loop mode: 2..count), after the op ``after`` (None: inside a
-            program that starts after step 1): ({output name: [N-1] values}, the op
-            that ends them)."""
-            if mode == "while_loop":
-                return _loop(step, feed, steps, after, watched, label, count, run_length.done)
-            return _chain(step, feed, steps, after, watched, label)
-
         count = run_length.read if run_length is not None else None
-        if steps == 1:
-            later, last = {}, end
-        elif xla:
-            program = tf.function(lambda count: rest(None, count)[0], jit_compile=True,
+
+        def steps_1_to_n(count):
+            """Every step, in the current graph (XLA: the compiled program's): ({output
+            name: [N] values}, the op that ends the last step)."""
+            graph = tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations())
+            started = time.perf_counter()
+            start = [] if step.halted is None else [step.halted.assign([0, 0], read_value=False)]
+            with tf.name_scope("step_1"):
+                first, end = step.build(1, feed.args(0), deps=start)
+            step_seconds = time.perf_counter() - started
+            step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
+            watched.update({**lint.watched_variables(step.state()), **step.written})
+            lint.warn_stateful_random(end, name=label)
+            if mode == "while_loop" and steps > 1:
+                step_lib.check_resource_variables(step.state(), "mode='while_loop'")
+            if mode == "unrolled" and steps > 1:
+                _check_graph_size(graph, step_bytes, steps, label)
+                _warn_slow_build(step_seconds, steps, label)
+            if steps == 1:
+                later, last = {}, end
+            elif mode == "while_loop":
+                later, last = _loop(step, feed, steps, end, watched, label, count, run_length.done)
+            else:
+                later, last = _chain(step, feed, steps, end, watched, label)
+            with tf.control_dependencies([last]):
+                outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
+                                          name="losses" if key == "loss" else key)
+                           for key in first}
+            return outputs, last
+
+        watched = {}  # the trained state and every variable a step writes, from step 1
+        if xla and nonfinite == "raise":  # XLA compiles CheckNumerics to nothing: halt instead
+            step.halted = tf.compat.v1.Variable(
+                [0, 0], dtype=tf.int32, trainable=False, use_resource=True, name="halted",
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        if xla:
+            # All N steps in one compiled program; step 1 creates the variables and slots
+            # there, lifted into this graph by the creation guard (init_scope).
+            step_lib.ensure_variable_stores()
+            step.guard.lift = True
+            program = tf.function(lambda count: steps_1_to_n(count)[0], jit_compile=True,
                                   autograph=False)
-            with tf.control_dependencies([end]):
-                later = program(count)
+            outputs = program(count)
             program_graph = program.get_concrete_function(count).graph
             lint.check_captures(program_graph, watched, name=label)
             lint.warn_random_under_xla(program_graph, name=label)
-            last = next(iter(later.values())).op
+            last = next(iter(outputs.values())).op
+            if step.halted is not None:
+                with tf.control_dependencies([last]):
+                    last = step_lib.raise_if_halted(step.halted, step.var_list, label)
+                with tf.control_dependencies([last]):
+                    outputs = {key: tf.identity(value, name="losses" if key == "loss" else key)
+                               for key, value in outputs.items()}
         else:
-            later, last = rest(end, count)
+            outputs, last = steps_1_to_n(count)
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
-            outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
-                                      name="losses" if key == "loss" else key)
-                       for key in first}
     return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
@@ -343,11 +383,9 @@ def _chain(step, feed, steps, end, watched, label):
     """Steps 2..N unrolled, each after the end of the previous one (step 2 after ``end``)."""
     outputs = []
     for k in range(2, steps + 1):
-        deps = [end] if end is not None else []
         with tf.name_scope(f"step_{k}"):
-            out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=deps)
-        if end is not None:
-            lint.check_step(k, next_end, end, watched, name=label)
+            out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=[end])
+        lint.check_step(k, next_end, end, watched, name=label)
         outputs.append(out)
         end = next_end
     return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end
@@ -368,12 +406,13 @@ def _loop(step, feed, steps, after, watched, label, count, done):
                 return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
 
     keys = ["loss", *step.record]
-    with tf.name_scope("loop"), tf.control_dependencies([after] if after is not None else []):
+    with tf.name_scope("loop"), tf.control_dependencies([after]):
         start = [] if done is None else [done.assign(1, read_value=False)]  # step 1 ended
         with tf.control_dependencies(start):
             first = tf.constant(1) if done is None else tf.identity(1)
         i, arrays = tf.while_loop(
-            lambda i, _: i < count, body,
+            lambda i, _: i < count if step.halted is None else tf.logical_and(
+                i < count, tf.equal(step.halted.read_value()[0], 0)), body,
             [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
             parallel_iterations=1, maximum_iterations=steps - 1, name="body")
     lint.check_captures(bodies[0], watched, name=label)
