@@ -15,11 +15,15 @@ How a "read" looks in a graph:
   with every ref variable is transparent here, and its consumers are checked.
 """
 
+import os
+import sys
 import warnings
 
+import tensorflow as tf
+
 __all__ = ["StaleForwardError", "ancestors", "check_captures", "check_dangling", "check_step",
-           "is_write", "order_as_built", "warn_random_under_xla", "warn_stateful_random",
-           "watched_variables", "written_variables"]
+           "is_write", "order_as_built", "user_stacklevel", "warn_random_under_xla",
+           "warn_stateful_random", "watched_variables", "written_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
@@ -223,7 +227,7 @@ def warn_random_under_xla(func_graph, *, name):
             f"kernels draw different numbers than TensorFlow's for the same seed, so these "
             f"steps will not match single steps without XLA (ms.verify will report it). "
             f"The draws are still a deterministic function of the seed and the step.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _stale_message(step, used, var, read_op, *, name, loop=False):
@@ -259,5 +263,19 @@ def warn_stateful_random(step_root, *, name):
             f"differ and ms.verify will fail. Use stateless ops keyed on the global "
             f"step instead, e.g. tf.random.stateless_uniform(shape, "
             f"seed=tf.stack([seed, global_step])).",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning, stacklevel=user_stacklevel())
 
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(tf.__file__)) + os.sep)
+
+
+def user_stacklevel():
+    """``warnings.warn``'s ``stacklevel`` that points at the caller's first frame outside
+    multistep and TensorFlow (the user's ``ms.unroll`` call, however deep the builder is:
+    under XLA it builds inside ``tf.function``'s tracing)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

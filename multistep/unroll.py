@@ -492,7 +492,8 @@ def _warn_slow_build(step_seconds, steps, label):
             f"{label}: step 1 took {step_seconds * 1e3:.0f} ms to build, so {steps} unrolled steps "
             f"will take about {predicted:.0f} s to build (and their first run longer, and memory "
             f"with N). mode='while_loop' builds step 1 and one loop body whatever N, about "
-            f"{2 * step_seconds:.1f} s here, with the same results.", RuntimeWarning, stacklevel=3)
+            f"{2 * step_seconds:.1f} s here, with the same results.", RuntimeWarning,
+            stacklevel=lint.user_stacklevel())
 
 
 def _check_graph_size(graph, step_bytes, steps, label):

@@ -211,9 +211,12 @@ def test_a_slow_unrolled_build_warns_and_recommends_loop_mode(monkeypatch):
 
     # any build counts as slow (the name `multistep.unroll` is the function: import the module)
     monkeypatch.setattr(importlib.import_module("multistep.unroll"), "SLOW_BUILD_SECONDS", 0.0)
-    with tf.Graph().as_default(), pytest.warns(RuntimeWarning, match=r"will take about .*while_loop"):
-        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
-                  V1.train.GradientDescentOptimizer(0.1), 3)
+    for xla in (False, True):
+        with tf.Graph().as_default(), pytest.warns(RuntimeWarning,
+                                                   match=r"will take about .*while_loop") as caught:
+            ms.unroll(lambda: V1.get_variable("w", initializer=1.0, use_resource=True) ** 2,
+                      V1.train.GradientDescentOptimizer(0.1), 3, xla=xla)
+        assert {r.filename for r in caught} == {__file__}  # the line that called ms.unroll
     with tf.Graph().as_default(), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # loop mode: no warning
         ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
