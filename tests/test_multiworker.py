@@ -241,15 +241,21 @@ def test_both_workers_end_with_identical_weights(rounds):
 
 def test_a_killed_worker_makes_the_other_fail_with_a_clear_error(rounds):
     """Worker 1 killed with SIGKILL after the checkpoint, while both trained: worker 0's
-    next all-reduce fails at once (its request to the dead peer is reset) and
-    catch_lost_worker re-raises it as WorkerLostError; the process ended (exit 3) within
-    communicate's 60 s bound instead of hanging."""
+    run fails and catch_lost_worker re-raises it as WorkerLostError; the process ended
+    (exit 3) within communicate's 60 s bound instead of hanging. Which error TensorFlow
+    gives depends on where the kill falls: with a request to the dead peer pending, at
+    once (UnavailableError, the connection reset, naming the peer); else the next
+    collective waits for it and fails after the collective timeout (both seen)."""
     killed = rounds["killed"]
     assert killed["rc"] == 3 and killed["lost"], killed["stderr"]
     lost = killed["lost"]
-    assert lost["cause"] == "UnavailableError", lost
-    assert lost["peer"] == "/job:worker/replica:0/task:1", lost
-    assert "unreachable" in lost["message"] and "restore the last checkpoint" in lost["message"]
+    assert "restore the last checkpoint" in lost["message"], lost
+    if lost["cause"] == "UnavailableError":
+        assert lost["peer"] == "/job:worker/replica:0/task:1", lost
+        assert "peer /job:worker/replica:0/task:1 is unreachable" in lost["message"], lost
+    else:
+        assert lost["cause"] == "DeadlineExceededError", lost
+        assert f"collective timeout ({TIMEOUT} s)" in lost["message"], lost
 
 
 def test_a_hung_worker_makes_the_other_fail_after_the_collective_timeout(rounds):
