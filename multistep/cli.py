@@ -158,6 +158,9 @@ def _parser():
     bench.add_argument("--out", default="bench_results",
                        help="directory for bench.csv, graph.csv and bench.png (default bench_results)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--distributed", action="store_true",
+                       help="also N x sess.run against fused runs of blobs under MirroredStrategy "
+                            "(2 logical CPUs) and two local workers (127.0.0.1), N <= 100")
     bench.set_defaults(func=_bench)
     return parser
 
@@ -355,6 +358,13 @@ def _bench(args):
     os.makedirs(args.out, exist_ok=True)
     written = [bench.write_csv(results, os.path.join(args.out, "bench.csv")),
                bench.write_csv(costs, os.path.join(args.out, "graph.csv"))]
+    if args.distributed:
+        from multistep import bench_distributed
+
+        rows = bench_distributed.distributed_rows(steps, repeats, args.quick)
+        print()
+        print(bench_distributed.table(rows))
+        written.append(bench.write_csv(rows, os.path.join(args.out, "distributed.csv")))
     png = bench.plot(results, os.path.join(args.out, "bench.png"))
     written.append(png or "no plot: pip install matplotlib (the [plot] extra)")
     print("\nwritten: " + ", ".join(written))
