@@ -332,13 +332,12 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                 step_lib.check_resource_variables(step.state(), "mode='while_loop'")
             if mode == "unrolled" and steps > 1:
                 _check_graph_size(graph, step_bytes, steps, label)
-                _warn_slow_build(step_seconds, steps, label)
             if steps == 1:
                 later, last = {}, end
             elif mode == "while_loop":
                 later, last = _loop(step, feed, steps, end, watched, label, count, run_length.done)
             else:
-                later, last = _chain(step, feed, steps, end, watched, label)
+                later, last = _chain(step, feed, steps, end, watched, label, step_seconds)
             with tf.control_dependencies([last]):
                 outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
                                           name="losses" if key == "loss" else key)
@@ -379,12 +378,16 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                     _run_length=run_length)
 
 
-def _chain(step, feed, steps, end, watched, label):
-    """Steps 2..N unrolled, each after the end of the previous one (step 2 after ``end``)."""
+def _chain(step, feed, steps, end, watched, label, first_seconds):
+    """Steps 2..N unrolled, each after the end of the previous one (step 2 after ``end``).
+    ``first_seconds``: step 1's build time, for the slow-build warning after step 2."""
     outputs = []
     for k in range(2, steps + 1):
+        started = time.perf_counter()
         with tf.name_scope(f"step_{k}"):
             out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=[end])
+        if k == 2:
+            _warn_slow_build(first_seconds, time.perf_counter() - started, steps, label)
         lint.check_step(k, next_end, end, watched, name=label)
         outputs.append(out)
         end = next_end
@@ -484,15 +487,20 @@ def _check_record(record, optimizer):
     return record
 
 
-def _warn_slow_build(step_seconds, steps, label):
-    """Warn before building an unrolled graph that step 1's build time predicts is slow."""
-    predicted = step_seconds * steps
+def _warn_slow_build(first_seconds, second_seconds, steps, label):
+    """Warn, after step 2, when steps 1 and 2's build times predict a slow unrolled build.
+
+    Step 2 is the one that repeats: step 1 also creates the variables and slots (under
+    XLA, from inside the program's tracing), so it alone would overstate the rest.
+    """
+    predicted = first_seconds + (steps - 1) * second_seconds
     if predicted > SLOW_BUILD_SECONDS:
         warnings.warn(
-            f"{label}: step 1 took {step_seconds * 1e3:.0f} ms to build, so {steps} unrolled steps "
-            f"will take about {predicted:.0f} s to build (and their first run longer, and memory "
-            f"with N). mode='while_loop' builds step 1 and one loop body whatever N, about "
-            f"{2 * step_seconds:.1f} s here, with the same results.", RuntimeWarning,
+            f"{label}: step 2 took {second_seconds * 1e3:.0f} ms to build (step 1, with the "
+            f"variables and slots, {first_seconds * 1e3:.0f} ms), so {steps} unrolled steps will "
+            f"take about {predicted:.0f} s to build (and their first run longer, and memory with "
+            f"N). mode='while_loop' builds step 1 and one loop body whatever N, about "
+            f"{first_seconds + second_seconds:.1f} s here, with the same results.", RuntimeWarning,
             stacklevel=lint.user_stacklevel())
 
 
