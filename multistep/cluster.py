@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 
-__all__ = ["PORT_TAKEN", "PortTakenError", "Workers", "free_ports", "run_workers", "tf_config"]
+__all__ = ["PORT_TAKEN", "PortTakenError", "WorkerFailedError", "Workers", "free_ports", "run_workers", "tf_config"]
 
 HOST = "127.0.0.1"
 # What a worker's stderr says when its server could not bind its port.
@@ -47,6 +47,10 @@ def tf_config(ports, index, job="worker"):
 
 class PortTakenError(RuntimeError):
     """A worker's server could not bind the port it was given: another process took it."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker exited with an error while its peers were still running."""
 
 
 class Workers:
@@ -109,20 +113,33 @@ class Workers:
     def signal(self, i, signum=signal.SIGKILL):
         self.procs[i].send_signal(signum)
 
-    def communicate(self, timeout, which=None):
+    def communicate(self, timeout, which=None, *, grace=10.0):
         """Waits up to ``timeout`` seconds in all for the workers ``which`` (default: all)
         to end; returns ``[(returncode, stdout, stderr)]`` for them. Past the deadline
         every worker is killed and ``TimeoutError`` says which were still running; if a
         worker's port was taken, they are all killed at once and ``PortTakenError``
-        raised (its peers would otherwise wait for it until the deadline)."""
+        raised (its peers would otherwise wait for it until the deadline). If one of
+        ``which`` fails (a non-zero exit) while others of them still run, they get
+        ``grace`` seconds to end too, then are killed and ``WorkerFailedError`` shows
+        the failed worker's stderr (its peers may wait for it with no timeout)."""
         which = list(range(self.n) if which is None else which)
         deadline = time.monotonic() + timeout
+        failed_at = None
         while any(self.procs[i].poll() is None for i in which):
             if self.port_taken():
                 self.stop()
                 raise PortTakenError(f"a worker's port was taken (ports {self.ports})")
+            failed = [i for i in which if self.procs[i].returncode not in (None, 0)]
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+            if failed and time.monotonic() > failed_at + grace:
+                self.stop()
+                i = failed[0]
+                raise WorkerFailedError(
+                    f"worker {i} failed (exit {self.procs[i].returncode}) while its peers ran on "
+                    f"(killed after {grace} s); its stderr:\n{self.stderr(i)[-3000:]}")
             if time.monotonic() > deadline:
-                late = [i for i in which if self.procs[i].poll() is None]
+                late = [i for i in which if self.procs[i].poll() is None] or which
                 self.stop()
                 raise TimeoutError(f"workers {late} still running after {timeout} s (killed); "
                                    f"stderr of worker {late[0]}:\n{self.stderr(late[0])[-3000:]}")

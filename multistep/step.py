@@ -227,7 +227,8 @@ class Step:
     def _halt_unless_finite(self, k, loss, grads_and_vars):
         """XLA does not raise from CheckNumerics (it compiles to nothing), so in a compiled
         program ``nonfinite="raise"`` halts instead: the first step with a non-finite
-        value, and every step after it, applies nothing, and ``halted`` keeps
+        value, and every step after it, applies nothing (unrolled, their forward passes
+        and update ops still run; a loop stops), and ``halted`` keeps
         ``[that step, 1 + the index of the value]`` (gradients in ``var_list`` order, then
         the loss, as ``_checked`` orders its checks) for the check after the program
         (``raise_if_halted``). Returns (whether to apply, what to do instead)."""
@@ -476,7 +477,8 @@ def raise_if_halted(halted, var_list, label):
     message = tf.strings.join([
         f"{label}: inner step ", tf.strings.as_string(at[0]), " has a non-finite ",
         tf.gather(whats, tf.maximum(at[1] - 1, 0)),
-        "; that step and those after it were not applied, the steps before it were "
+        "; that step and those after it were not applied (unrolled, their update ops, "
+        "such as moving statistics, still ran), the steps before it were "
         "(nonfinite=skip skips such steps)"])
     return tf.debugging.Assert(tf.equal(at[0], 0), [message], name="check_finite")
 

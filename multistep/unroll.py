@@ -89,6 +89,10 @@ class Unrolled:
             if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
                 return session.run(self.losses, feed_dict)
             if session not in self._callables:
+                # A callable holds its session, so its weak key would never die: drop
+                # the callables of closed sessions, which then free their resources.
+                for closed in [s for s in self._callables if s._closed]:
+                    del self._callables[closed]
                 self._callables[session] = session.make_callable(self.losses)
             return self._callables[session]()
         except tf.errors.OutOfRangeError as error:

@@ -23,11 +23,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from multistep.cluster import PORT_TAKEN, PortTakenError, Workers
+from multistep.cluster import PORT_TAKEN, PortTakenError, WorkerFailedError, Workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RUNS, KEPT, TIMEOUT = 3, 4, 2, 5  # as in the worker script
@@ -279,6 +280,20 @@ def test_training_resumed_from_the_checkpoint_continues_bitwise(rounds):
     resumed = rounds["states"]["resume_0"]
     for k in ("w:0", "b:0", "step"):
         assert resumed[f"fused/{k}"].tobytes() == resumed[f"single/{k}"].tobytes()
+
+
+def test_a_failed_worker_stops_its_waiting_peer_and_shows_its_own_error():
+    """Worker 0 fails at start-up; worker 1 would wait for it (here: sleep) without end."""
+    code = ("import os, sys, time\n"
+            "if os.environ['MULTISTEP_WORKER'] == '0':\n"
+            "    sys.exit('worker 0: no model here')\n"
+            "time.sleep(120)\n")
+    with Workers([sys.executable, "-c", code], 2) as workers:
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="(?s)worker 0 failed \\(exit 1\\).*no model here"):
+            workers.communicate(timeout=60, grace=1.0)
+        assert time.monotonic() - start < 30  # well before the 60 s deadline and the sleep
+        assert [p.poll() for p in workers.procs] == [1, -signal.SIGKILL]
 
 
 def test_catch_lost_worker_lets_other_errors_through():

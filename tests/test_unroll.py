@@ -381,3 +381,45 @@ def test_variable_created_after_the_first_step():
 
     with pytest.raises(ValueError, match="created variable 'fresh' at inner step 2"):
         _unroll_simple(setup=setup)
+
+
+def _adam_steps():
+    w = V1.get_variable("w", initializer=np.array([1.0, -2.0], np.float32), use_resource=True)
+    x = tf.constant([[1.0, 2.0], [3.0, -1.0]])
+    return ms.unroll(lambda: tf.reduce_sum(tf.square(tf.matmul(x, w[:, None]) - 1.0)),
+                     V1.train.AdamOptimizer(0.05), 4)
+
+
+def test_run_through_its_cached_callable_equals_sess_run_of_the_losses_bitwise():
+    """Unrolled.run (a make_callable made once per session) against sess.run(losses)."""
+    results = []
+    for use_run in (True, False):
+        with tf.Graph().as_default():
+            unrolled = _adam_steps()
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                losses = [unrolled.run(sess) if use_run else sess.run(unrolled.losses)
+                          for _ in range(RUNS)]
+                results.append((np.stack(losses), sess.run(V1.global_variables())))
+    (run_losses, run_state), (plain_losses, plain_state) = results
+    assert run_losses.tobytes() == plain_losses.tobytes()
+    assert [v.tobytes() for v in run_state] == [v.tobytes() for v in plain_state]
+
+
+def test_run_lets_closed_sessions_go():
+    """The cached callable holds its session: a closed one's is dropped at the next run."""
+    import gc
+    import weakref
+
+    with tf.Graph().as_default():
+        unrolled = _adam_steps()
+        init = V1.global_variables_initializer()
+        sessions = []
+        for _ in range(3):
+            with V1.Session() as sess:
+                sess.run(init)
+                unrolled.run(sess)
+            sessions.append(weakref.ref(sess))
+        del sess
+        gc.collect()
+        assert [ref() is None for ref in sessions] == [True, True, False]  # the last is still cached
