@@ -10,9 +10,10 @@ max |Δ| between the fused weights and the single steps', and between the worker
 
     python examples/two_workers.py
 
-A worker of your own is started the same way on each machine: set ``TF_CONFIG``
+On several machines each worker is started by hand instead: set ``TF_CONFIG``
 (``{"cluster": {"worker": [host:port, ...]}, "task": {"type": "worker", "index": i}}``)
-and run the same script everywhere.
+and run ``python examples/two_workers.py --worker OUT_DIR`` on every machine (the
+``worker`` function: the same graph, built in the same order, on each).
 """
 
 import json
@@ -87,8 +88,9 @@ def main():
     from multistep.cluster import run_workers
 
     with tempfile.TemporaryDirectory() as out_dir:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+            p for p in [root, os.environ.get("PYTHONPATH")] if p))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         done = run_workers([sys.executable, os.path.abspath(__file__), "--worker", out_dir], 2,
                            timeout=300, env=env)
