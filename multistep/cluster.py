@@ -129,7 +129,7 @@ class Workers:
             if self.port_taken():
                 self.stop()
                 raise PortTakenError(f"a worker's port was taken (ports {self.ports})")
-            failed = [i for i in which if self.procs[i].returncode not in (None, 0)]
+            failed = [i for i in which if self.procs[i].poll() not in (None, 0)]
             if failed and failed_at is None:
                 failed_at = time.monotonic()
             if failed and time.monotonic() > failed_at + grace:
