@@ -131,6 +131,9 @@ def _parser():
     verify.add_argument("--steps", type=_positive, default=3)
     verify.add_argument("--runs", type=_positive, default=4)
     verify.add_argument("--atol", type=float, default=0.0, help="allowed max |Δ| (default 0: exact)")
+    verify.add_argument("--explain", action="store_true",
+                        help="also say whether every inner step executed a single step's kernels "
+                             "(always said when the runs diverge or the kernels differ)")
     verify.set_defaults(func=_verify)
 
     graph = sub.add_parser(
@@ -311,7 +314,8 @@ def _verify(args):
     if build_fn is None:
         return 2
     try:
-        report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol)
+        report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol,
+                           explain=args.explain)
     except Exception:  # the model could not be built or run: not a divergence (exit 1)
         traceback.print_exc()
         print(f"multistep verify: could not run {args.target} (exit 2; 1 means the runs diverged)",

@@ -21,14 +21,16 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["StaleForwardError", "ancestors", "check_captures", "check_dangling", "check_step",
-           "is_write", "order_as_built", "user_stacklevel", "warn_random_under_xla",
+__all__ = ["StaleForwardError", "ancestors", "built_at", "captures", "check_captures", "check_dangling", "check_step",
+           "is_write", "order_as_built", "ref_variable_of", "source_op", "user_stacklevel", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables", "written_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
-# Ops that pass a variable through without reading it (they alias it).
-_ALIAS_OPS = frozenset({"Identity"})
+# Ops that pass a variable through without reading it (they alias it); v1 control flow's
+# frame ops pass a ref or a handle into a loop or cond body.
+ALIAS_OPS = _ALIAS_OPS = frozenset({"Identity", "Enter", "RefEnter", "RefIdentity"})
+_REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
 # Stateful ops that only read state (or make a variable): never "dangling".
 _READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp",
                        "VariableV2", "Variable", "_ReadVariablesOp"}) | _METADATA_OPS
@@ -47,11 +49,20 @@ class StaleForwardError(ValueError):
     """A fused step reads trained state that is not ordered after the previous apply."""
 
 
-def _source_op(tensor):
+def source_op(tensor):
     """The op whose storage ``tensor`` aliases (follows ``Identity`` chains)."""
     while tensor.op.type in _ALIAS_OPS:
         tensor = tensor.op.inputs[0]
     return tensor.op
+
+
+def ref_variable_of(tensor):
+    """The ``VariableV2`` op whose buffer ``tensor`` aliases (a ref variable's ``w/read``
+    snapshot, or its ``Enter`` into a v1 loop), or None."""
+    if tensor.dtype == tf.resource:
+        return None
+    source = source_op(tensor)
+    return source if source.type in _REF_VARIABLE_OPS else None
 
 
 def _read_of(op, watched):
@@ -59,7 +70,7 @@ def _read_of(op, watched):
     if op.type in _ALIAS_OPS or op.type in _METADATA_OPS:
         return None
     for tensor in op.inputs:
-        name = watched.get(_source_op(tensor))
+        name = watched.get(source_op(tensor))
         if name is not None:
             return name
     return None
@@ -67,6 +78,10 @@ def _read_of(op, watched):
 
 def _preds(op):
     return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _data_preds(op):
+    return [t.op for t in op.inputs]
 
 
 def is_write(op):
@@ -79,7 +94,7 @@ def written_variables(ops):
     written = {}
     for op in ops:
         if is_write(op):
-            source = _source_op(op.inputs[0])
+            source = source_op(op.inputs[0])
             written[source] = source.name
     return written
 
@@ -91,10 +106,10 @@ def order_as_built(ops):
     only by its edges: a read and a write of one variable without one may run either way."""
     last_write, reads = {}, {}
     for op in ops:
-        handles = {_source_op(t) for t in op.inputs if t.dtype == "resource"}
+        handles = {source_op(t) for t in op.inputs if t.dtype == "resource"}
         for handle in handles:
             before = [last_write[handle]] if handle in last_write else []
-            if is_write(op) and _source_op(op.inputs[0]) is handle:
+            if is_write(op) and source_op(op.inputs[0]) is handle:
                 before += reads.pop(handle, [])
                 last_write[handle] = op
             elif op.type in _READ_OPS:
@@ -133,7 +148,8 @@ def check_dangling(ops, end, *, exempt, name, step):
         if (op not in reached and op not in exempt and op.type not in _READ_OPS
                 and getattr(op, "_is_stateful", False)):
             raise ValueError(
-                f"{name}: inner step {step} builds the stateful op '{op.name}' ({op.type}), but "
+                f"{name}: inner step {step} builds the stateful op '{op.name}' ({op.type})"
+                f"{built_at(op)}, but "
                 f"nothing the step runs depends on it, so it would never run (nor would it in a "
                 f"single-step graph built the same way). To run it in every step: add it to "
                 f"tf.compat.v1.GraphKeys.UPDATE_OPS inside loss_fn (update_ops=True runs those "
@@ -144,9 +160,10 @@ def check_dangling(ops, end, *, exempt, name, step):
                 f"step, as tf.function would run it.")
 
 
-def _ancestors_postorder(root, stop=None, known=()):
+def _ancestors_postorder(root, stop=None, known=(), preds=_preds):
     """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` is not
-    expanded, and ops in ``known`` (already visited by an earlier walk) are left out."""
+    expanded, and ops in ``known`` (already visited by an earlier walk) are left out.
+    ``preds``: an op's predecessors (default: data and control inputs)."""
     order, seen, stack = [], set(), [(root, False)]
     while stack:
         op, expanded = stack.pop()
@@ -158,7 +175,7 @@ def _ancestors_postorder(root, stop=None, known=()):
         seen.add(op)
         stack.append((op, True))
         if op is not stop:
-            stack.extend((pred, False) for pred in _preds(op) if pred not in seen)
+            stack.extend((pred, False) for pred in preds(op) if pred not in seen)
     return order
 
 
@@ -193,22 +210,34 @@ def check_step(step, apply_op, previous_apply, watched, *, name):
                 stale[op] = found
 
 
-def check_captures(func_graph, watched, *, name):
-    """Raise StaleForwardError if ``func_graph`` (a loop body or compiled program)
-    captures an outside tensor computed from a read of watched state.
+def captures(body):
+    """The outside tensors a loop body or compiled program uses: a function graph's
+    (v2 control flow, XLA) external captures, or, given the ops a v1 ``tf.while_loop``
+    built (``disable_v2_behavior``), the inputs of its loop-invariant ``Enter`` ops."""
+    if isinstance(body, tf.Graph):
+        return list(body.external_captures)
+    return [op.inputs[0] for op in body
+            if op.type in ("Enter", "RefEnter") and op.get_attr("is_constant")]
+
+
+def check_captures(body, watched, *, name):
+    """Raise StaleForwardError if ``body`` (a loop body or compiled program: see
+    ``captures``) captures an outside tensor computed from a read of watched state.
 
     Such a tensor is evaluated once, before the loop or program starts, so
     every step inside would reuse it. Captured variable handles are fine: the
-    reads they feed happen inside.
+    reads they feed happen inside. Only data inputs are followed: a control input
+    orders a capture (a constant built after step 1, say), it carries no value.
     """
     stale = {}  # op -> (variable name, read op) in its ancestry, or None
-    for tensor in func_graph.external_captures:
-        if _source_op(tensor) in watched:
+    for tensor in captures(body):
+        if source_op(tensor) in watched:
             continue  # a variable handle (or its ref): read inside the body
-        for op in _ancestors_postorder(tensor.op, known=stale):  # shared ancestry: walked once
+        # Shared ancestry is walked once.
+        for op in _ancestors_postorder(tensor.op, known=stale, preds=_data_preds):
             var = _read_of(op, watched)
             stale[op] = (var, op) if var is not None else next(
-                (stale[p] for p in _preds(op) if stale.get(p)), None)
+                (stale[p] for p in _data_preds(op) if stale.get(p)), None)
         if stale[tensor.op]:
             raise StaleForwardError(_stale_message("2..N", tensor.op, *stale[tensor.op],
                                                    name=name, loop=True))
@@ -265,6 +294,18 @@ def warn_stateful_random(step_root, *, name):
             f"seed=tf.stack([seed, global_step])).",
             RuntimeWarning, stacklevel=user_stacklevel())
 
+
+
+def built_at(op):
+    """`` at FILE:LINE (in FUNCTION)``: the last frame of ``op``'s creation traceback that
+    is the user's (outside multistep and TensorFlow), or "" if there is none. TensorFlow
+    drops a given name in places (``assign_add`` on a resource variable names its op
+    ``AssignAddVariableOp``), so an op's name alone may not lead back to the user's code."""
+    frames = [f for f in (op.traceback or ()) if not f.filename.startswith(_INTERNAL)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno} (in {frame.name})"
 
 
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,

@@ -3,6 +3,7 @@
 Step k of an N-step run, built inside ``tf.control_dependencies`` on the end of
 step k-1, in this order (each a name scope under ``multistep/step_k``):
 
+    inputs       step k's slice of the inputs, or the next element of an iterator
     forward      loss_k = loss_fn(*inputs[k]), and its update ops
     gradients    d loss_k / d var_list (after the update ops, as a single step's
                  ``control_dependencies(UPDATE_OPS)`` orders them)
@@ -25,7 +26,7 @@ from tensorflow.python.ops import variable_scope as variable_scope_lib  # the sc
 
 from multistep import lint, transforms
 
-__all__ = ["CreationGuard", "Step", "check_resource_variables", "ensure_variable_stores",
+__all__ = ["CreationGuard", "Step", "check_capturable", "ensure_variable_stores",
            "learning_rate_of"]
 
 
@@ -71,12 +72,15 @@ class Step:
             known_updates = len(updates)
             if first:
                 self.names = _NameCounters.read()
+            if callable(args):
+                with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
+                    args = args()
             with (self.guard.scope("forward"), _reuse_variables(not first),
                   contextlib.nullcontext() if first else self.names.restored(),
                   tape or contextlib.nullcontext()):
                 if tape is not None:
                     tape.watch(self.var_list)
-                loss = _call_loss_fn(self.loss_fn, args() if callable(args) else args, step)
+                loss = _call_loss_fn(self.loss_fn, args, step)
             collected = [_as_op(u) for u in updates[known_updates:]]
             if not first:  # the collection keeps one step's update ops, as a single-step graph has
                 del updates[known_updates:]
@@ -89,6 +93,7 @@ class Step:
         conditional = self.nonfinite == "skip" or self.halted is not None  # after_apply in the cond
         end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
+        _snapshot_ref_reads(graph.get_operations()[first_op:], deps)
         ops = graph.get_operations()[first_op:]
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
@@ -253,9 +258,10 @@ class Step:
 
     def _apply_if(self, finite, grads_and_vars, otherwise):
         """Apply when ``finite``; else run ``otherwise()`` (skip, or halt)."""
-        check_resource_variables([v for _, v in grads_and_vars] + (
+        check_capturable([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []),
-            "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True")
+            "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True",
+            compiled=self.halted is not None)
 
         def apply():  # a skipped step runs no after_apply: only this branch has one
             with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
@@ -273,6 +279,47 @@ class Step:
         skip counter (``written`` has every variable a step writes, these and others)."""
         state = list(self.var_list) + self.optimizer.variables()
         return state + [v for v in (self.global_step, self.skipped) if v is not None]
+
+
+def _snapshot_ref_reads(ops, deps):
+    """Give this step's reads of ref variables their own snapshot, ordered after ``deps``.
+
+    A ref variable ``w`` is read through the one ``w/read`` snapshot made with it, an
+    ``Identity`` that aliases its buffer: the real read happens when a consumer runs.
+    Built inside ``tf.control_dependencies(deps)``, a consumer whose inputs were all made
+    outside the step (``x @ w/read``) takes ``deps`` as control inputs itself, where a
+    single step's has none, and Grappler's remapper fuses no op with a control input:
+    a single step's ``MatMul + Add + Tanh`` ran as one ``_MklNativeFusedMatMul``, step
+    k's as three kernels, which round differently. Here each such consumer reads a
+    snapshot of this step instead (``Identity`` of the variable, colocated with it,
+    carrying the ``deps`` control inputs, as a resource variable's ``ReadVariableOp``
+    carries them), and drops those control inputs: the consumer still runs after
+    ``deps``, through its input, and reaches Grappler in a single step's shape."""
+    deps = {_as_op(d) for d in deps}
+    if not deps:
+        return
+    graph = tf.compat.v1.get_default_graph()
+    snapshots = {}
+    for op in ops:
+        ordering = [c for c in op.control_inputs if c in deps]
+        if not ordering or lint.is_write(op) or op.type in lint.ALIAS_OPS:
+            continue
+        rewired = False
+        for index, tensor in enumerate(op.inputs):
+            variable = lint.ref_variable_of(tensor)
+            if variable is None:
+                continue
+            rewired = True
+            key = (variable, tuple(ordering))
+            if key not in snapshots:
+                with (graph.control_dependencies(ordering), graph.colocate_with(variable),
+                      graph.name_scope(None), graph.name_scope(op.name.rsplit("/", 1)[0] + "/")):
+                    snapshots[key] = tf.identity(variable.outputs[0], name=f"{variable.name}/read")
+            op._update_input(index, snapshots[key])  # (no public way to rewire an input)
+        if rewired:
+            keep = [c for c in op.control_inputs if c not in deps]
+            op._remove_all_control_inputs()
+            op._add_control_inputs(keep)
 
 
 def _free_constants(ops):
@@ -408,19 +455,24 @@ def _gradients_through_reads(loss, var_list, forward):
     handles = _handles_here(var_list)
     if any(h is None for h in handles):
         return None
-    uses = {h.ref(): [] for h in handles}
+    # A v1 loop body (disable_v2_behavior) takes a handle through its Enter: the op a
+    # use's handle comes from, through such aliases, is the variable's.
+    uses = {h.op: [] for h in handles}
     for op in forward:
+        if op.type in lint.ALIAS_OPS:
+            continue
         for t in op.inputs:
-            if t.ref() in uses:
-                uses[t.ref()].append(op)
-    reads = [op for h in handles for op in uses[h.ref()]]
+            source = lint.source_op(t) if t.dtype == tf.resource else None
+            if source in uses:
+                uses[source].append(op)
+    reads = [op for h in handles for op in uses[h.op]]
     if not all(uses.values()) or any(op.type != "ReadVariableOp" for op in reads):
         return None
     grads = dict(zip(reads, tf.compat.v1.gradients(
         loss, [op.outputs[0] for op in reads], gate_gradients=True)))
     out = []
     for v, h in zip(var_list, handles):
-        terms = [grads[op] for op in uses[h.ref()] if grads[op] is not None]
+        terms = [grads[op] for op in uses[h.op] if grads[op] is not None]
         if any(not isinstance(t, tf.Tensor) for t in terms):
             return None
         # tf.gradients sums at the variable in the order the backward pass
@@ -488,14 +540,29 @@ def _all_finite(tensors):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
 
 
-def check_resource_variables(variables, what):
+def check_capturable(variables, what, *, compiled):
+    """Raise TypeError if a ``tf.while_loop`` or ``tf.cond`` body (``compiled``: an XLA
+    program) could not use ``variables``. A ref variable (``use_resource=False``, what
+    ``disable_v2_behavior()`` makes) lives in v1 control flow's frames (RefEnter,
+    RefSwitch), as TF1 ran its loops; a v2 body is a function, which captures only
+    resource handles, and XLA compiles only resource variables."""
     ref = [v.op.name for v in variables if v.op.type != "VarHandleOp"]
-    if ref:
+    if not ref or not (compiled or tf.compat.v1.control_flow_v2_enabled()):
+        return
+    names = (f"{', '.join(map(repr, ref))} "
+             f"{'is a ref variable' if len(ref) == 1 else 'are ref variables'} (use_resource=False)")
+    if compiled:
         raise TypeError(
-            f"{what} needs resource variables, but {', '.join(map(repr, ref))} "
-            f"{'is a ref variable' if len(ref) == 1 else 'are ref variables'} "
-            f"(use_resource=False), which a tf.while_loop or tf.cond body cannot capture. "
-            f"Create them with use_resource=True (the TF2 default).")
+            f"{what} needs resource variables, but {names}, which XLA cannot compile. Create "
+            f"them with use_resource=True (tf.compat.v1.enable_resource_variables() does it "
+            f"for every variable, tf-keras layers included), or build without XLA.")
+    raise TypeError(
+        f"{what} needs resource variables, but {names}, and v2 control flow is on: a v2 "
+        f"tf.while_loop or tf.cond body is a function, which cannot capture a ref variable. "
+        f"Either create them with use_resource=True (tf.compat.v1.enable_resource_variables() "
+        f"does it for every variable), or turn v2 control flow off before building "
+        f"(tf.compat.v1.disable_control_flow_v2(), or tf.compat.v1.disable_v2_behavior(), "
+        f"which also makes ref variables): v1 control flow carries ref variables.")
 
 
 class CreationGuard:

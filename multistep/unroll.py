@@ -333,7 +333,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             watched.update({**lint.watched_variables(step.state()), **step.written})
             lint.warn_stateful_random(end, name=label)
             if mode == "while_loop" and steps > 1:
-                step_lib.check_resource_variables(step.state(), "mode='while_loop'")
+                step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=xla)
             if mode == "unrolled" and steps > 1:
                 _check_graph_size(graph, step_bytes, steps, label)
             if steps == 1:
@@ -410,9 +410,13 @@ def _loop(step, feed, steps, after, watched, label, count, done):
         with tf.control_dependencies([end]):
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
-                return i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}
+                # A list, as the loop variables are given: v1 control flow (disable_v2_behavior)
+                # checks that the body returns the same structure, list against tuple.
+                return [i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}]
 
     keys = ["loss", *step.record]
+    graph = tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations())
     with tf.name_scope("loop"), tf.control_dependencies([after]):
         start = [] if done is None else [done.assign(1, read_value=False)]  # step 1 ended
         with tf.control_dependencies(start):
@@ -422,7 +426,9 @@ def _loop(step, feed, steps, after, watched, label, count, done):
                 i < count, tf.equal(step.halted.read_value()[0], 0)), body,
             [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
             parallel_iterations=1, maximum_iterations=steps - 1, name="body")
-    lint.check_captures(bodies[0], watched, name=label)
+    # v2 control flow: a function body; v1 (disable_v2_behavior): the loop's ops, in this graph.
+    body = bodies[0] if bodies[0] is not graph else graph.get_operations()[first_op:]
+    lint.check_captures(body, watched, name=label)
     # Only the count - 1 written entries: a slice XLA compiles too (bounded dynamic shape).
     return {key: array.stack()[:i - 1] for key, array in arrays.items()}, i.op
 

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from multistep import kernels as kernels_lib
 from multistep.unroll import positive_int as _positive_int
 
 __all__ = ["Report", "session_config", "verify"]
@@ -61,6 +62,12 @@ class Report:
       bitwise: every compared array was bit-for-bit identical.
       fused_losses, single_losses: float32 ``[steps * runs]``, each inner step's loss.
       final_values: name -> value of every variable in the fused graph at the end.
+      kernels: the first difference between the kernels an inner step executed and
+        those a single step executed (``multistep.kernels.Difference``: names the step
+        and the kernels on each side), or None when they are the same; read from the
+        partition graphs of the first run of each. ``same_kernels`` is True, False, or
+        None where no step's kernels could be read (all N steps in one XLA program).
+      explain: the summary reports the kernels even when the values agree.
     """
 
     steps: int
@@ -72,6 +79,9 @@ class Report:
     fused_losses: np.ndarray
     single_losses: np.ndarray
     final_values: dict
+    kernels: object = None
+    same_kernels: object = None
+    explain: bool = False
 
     @property
     def ok(self):
@@ -93,7 +103,19 @@ class Report:
             first = (run - 1) * self.steps + 1
             line += (f"; first divergence in run {run} (global steps {first}-"
                      f"{first + self.steps - 1}) at {name!r}")
+        if self.explain or not self.ok or self.same_kernels is False:
+            line += "\n" + self._kernel_line()
         return line
+
+    def _kernel_line(self):
+        if self.same_kernels is None:
+            return ("kernels: not compared (no inner step's kernels in the partition graphs: "
+                    "the steps ran inside one XLA program, or were not built by ms.unroll)")
+        if self.same_kernels:
+            return "kernels: same kernels in every inner step as in a single step"
+        note = (" (the values agree on this CPU; another may round the two kernels apart)"
+                if self.ok else "")
+        return f"kernels differ: {self.kernels}{note}"
 
     def __str__(self):
         width = max(len(n) for n in self.per_variable)
@@ -101,7 +123,7 @@ class Report:
         return "\n".join([self.summary(), f"  {'name':<{width}}  max |Δ|"] + rows)
 
 
-def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None):
+def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, explain=False):
     """Checks that ``steps``-step runs equal single steps, from identical initial values.
 
     Args:
@@ -117,6 +139,11 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None):
         default (what your training runs with). ``ms.session_config()`` turns off the
         Grappler pass that can reorder sums.
       progress: optional callable ``(runs done, runs)``, called after each run.
+      explain: the summary also says whether each inner step executed the same kernels
+        as a single step (always said when the values diverge or the kernels differ).
+        The kernels are read from the partition graphs of the first run (after Grappler
+        and oneDNN's rewrites): equal bits on one CPU prove less than equal kernels,
+        which round alike on any.
 
     Returns:
       A ``Report``; ``report.ok`` is True when nothing differed by more than ``atol``.
@@ -145,6 +172,8 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None):
         for run in range(runs):
             got = fused.run(run)
             want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
+            if run == 0:
+                difference, same_kernels = _compare_kernels(fused, single)
             fused_losses.append(got)
             single_losses.append(want)
             fused_values, single_values = fused.values(), single.values()
@@ -162,10 +191,22 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None):
                       first_divergence=first, bitwise=bitwise,
                       fused_losses=np.concatenate(fused_losses),
                       single_losses=np.concatenate(single_losses),
-                      final_values=fused_values)
+                      final_values=fused_values, kernels=difference,
+                      same_kernels=same_kernels, explain=bool(explain))
     finally:
         fused.close()
         single.close()
+
+
+def _compare_kernels(fused, single):
+    """(the first kernel difference or None, same kernels: True, False or None where
+    a side's step kernels could not be read) from the programs' first runs."""
+    steps = kernels_lib.of_steps(fused.nodes, fused.label)
+    one = kernels_lib.of_steps(single.nodes, single.label).get(1)
+    if not steps or one is None:
+        return None, None
+    difference = kernels_lib.compare(steps, one)
+    return difference, difference is None
 
 
 class _Program:
@@ -173,6 +214,7 @@ class _Program:
 
     def __init__(self, build_fn, steps, config=None):
         self.steps = steps
+        self.nodes = None  # the executed kernels of the first run (partition graphs)
         self.graph = tf.Graph()
         with self.graph.as_default():
             built = build_fn(steps)
@@ -191,6 +233,7 @@ class _Program:
             if n is not None and n != steps:
                 raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
             self.fetch = (unrolled.train_op, unrolled.losses)
+            self.label = getattr(unrolled, "name", "multistep")
             self.variables = {_name(v): v for v in tf.compat.v1.global_variables()}
             self._placeholders, assigns = {}, []
             for name, v in self.variables.items():
@@ -209,7 +252,11 @@ class _Program:
 
     def run(self, index):
         feed = self.feed(index) if callable(self.feed) else self.feed
-        return np.asarray(self.session.run(self.fetch, feed)[1], np.float32).reshape(-1)
+        if self.nodes is None:
+            values, self.nodes = kernels_lib.executed(self.session, self.fetch, feed)
+        else:
+            values = self.session.run(self.fetch, feed)
+        return np.asarray(values[1], np.float32).reshape(-1)
 
     def values(self):
         return self.session.run(self._reads)

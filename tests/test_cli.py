@@ -97,6 +97,16 @@ def test_verify_exits_1_on_divergence(tmp_path):
     assert "DIVERGED" in result.stdout and "first divergence in run 1" in result.stdout
 
 
+def test_verify_explain_prints_the_kernels():
+    result = multistep("verify", "tests/test_verify.py:relu_layer_build", "--steps", "2",
+                       "--runs", "1", "--explain")
+    assert result.returncode == 0, result.stderr  # the values still agree on this model
+    assert "kernels differ: step 1 ran forward/MatMul as " in result.stdout, result.stdout
+    result = multistep("verify", "tests/test_verify.py:good_build", "--steps", "2", "--runs", "1",
+                       "--explain")
+    assert "kernels: same kernels in every inner step as in a single step" in result.stdout
+
+
 @pytest.mark.parametrize("target,message", [
     ("missing.py:build", "no such file: missing.py"),
     ("examples/verify_my_model.py:nope", "has no function 'nope'"),

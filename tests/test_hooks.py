@@ -428,6 +428,15 @@ def test_nan_hook_names_the_step_where_single_steps_see_the_nan(tmp_path):
         with pytest.raises(V1.train.NanLossDuringTrainingError):
             train([ms_counter(runs), V1.train.NanTensorHook(loss)], train_op)
         assert len(runs) == 6
+    # Whether the NaN reaches the weights (and so the later losses) depends on the CPU's
+    # kernels (Relu of NaN is 0 on some, NaN on others): the count comes from single steps.
+    with tf.Graph().as_default():
+        train_op, loss = single_step_graph(dataset(x=poisoned), nan_passing_loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            losses = [sess.run([train_op, loss])[1] for _ in range(8)]
+    bad = int(np.sum(~np.isfinite(losses[4:])))
+    assert np.isnan(losses[5]) and np.all(np.isfinite(losses[:5]))
     for fail in (True, False):
         with tf.Graph().as_default():
             unrolled = fused_graph(dataset(x=poisoned), 4, model=nan_passing_loss,
@@ -436,7 +445,7 @@ def test_nan_hook_names_the_step_where_single_steps_see_the_nan(tmp_path):
             if fail:
                 with pytest.raises(ms.hooks.NonFiniteLossError,
                                    match=r"loss = nan at inner step 2 of 4 \(global step 6\); "
-                                         r"1 of the run's 4 losses are not finite"):
+                                         rf"{bad} of the run's 4 losses are not finite"):
                     train([hook], unrolled.train_op)
             else:
                 assert train([hook], unrolled.train_op) == 2  # stopped after that run

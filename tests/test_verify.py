@@ -155,3 +155,48 @@ def test_build_fn_must_return_unrolled_and_feed(returned):
 def test_bad_arguments(kwargs, error):
     with pytest.raises(error, match="steps|runs|atol"):
         ms.verify(good_build, **kwargs)
+
+
+def relu_layer_build(steps):
+    """A dense ReLU layer. Its fused build (steps > 1) puts a control input on the MatMul,
+    which stops Grappler's remapper from fusing MatMul + BiasAdd + Relu: the cause the
+    issue found in ref-variable steps, forced here."""
+    x = V1.placeholder_with_default(X, [6, 3])
+    w = V1.get_variable("w", [3, 2], initializer=V1.random_normal_initializer(seed=3))
+    b = V1.get_variable("b", [2], initializer=V1.zeros_initializer())
+
+    def loss_fn():
+        w_value = w.read_value()  # read outside the block: the block's control input goes
+        # on the MatMul itself (on a read of b: Grappler drops one on a NoOp).
+        with tf.control_dependencies([b.read_value()] if steps > 1 else []):
+            h = tf.matmul(x, w_value)
+        return tf.reduce_sum(tf.square(tf.nn.relu(tf.nn.bias_add(h, b))))
+
+    return ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.01), steps), {}
+
+
+def test_explain_names_the_first_kernel_that_differs():
+    report = ms.verify(relu_layer_build, steps=3, runs=1, explain=True)
+    assert report.same_kernels is False
+    text = str(report.kernels)
+    # Step 1 already has the control input; the single step fused the three ops into the
+    # kernel named after the last of them (oneDNN on: _MklNativeFusedMatMul; off: _FusedMatMul).
+    assert text.startswith("step 1 ran forward/MatMul as "), text
+    assert "forward/Relu as Relu" in text, text
+    assert "a single step ran forward/Relu as " in text and "FusedMatMul(BiasAdd, Relu)" in text, text
+    assert "kernels differ: step 1 ran" in report.summary()
+
+
+def test_explain_says_same_kernels_on_a_correct_build():
+    report = ms.verify(good_build, steps=3, runs=2, explain=True)
+    assert report.ok and report.same_kernels is True and report.kernels is None
+    assert "kernels: same kernels in every inner step as in a single step" in report.summary()
+    quiet = ms.verify(good_build, steps=3, runs=2)  # without explain: said only when they differ
+    assert quiet.same_kernels is True and "kernels" not in quiet.summary()
+
+
+def test_a_divergence_reports_the_kernels_without_being_asked():
+    report = ms.verify(naive_build, steps=3, runs=2)
+    assert not report.ok
+    # naive_build is not ms.unroll's: no step scopes to read the kernels of.
+    assert report.same_kernels is None and "kernels: not compared" in report.summary()

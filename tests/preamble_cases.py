@@ -1,0 +1,163 @@
+"""Fused steps against canonical TF1 single steps under one preamble: run by
+tests/test_preambles.py in a subprocess (the preamble, TF_ENABLE_ONEDNN_OPTS and
+TF_USE_LEGACY_KERAS are process-global: read at import or switched once).
+
+    python tests/preamble_cases.py {disable_eager_execution,disable_v2_behavior} CASE...
+
+CASE is MODEL:KIND:MODE:OPTIMIZER[:short] (e.g. mlp:ref:while_loop:Adam). Prints one JSON line
+per case: the max |Δ| of every global variable and of the per-step losses against the
+reference, and the first difference between the kernels an inner step executed and
+those of a single step (``ms.unroll(..., steps=1)``), by name within the step.
+
+The reference is written here without multistep, the canonical TF1 way: one
+``opt.minimize(loss)`` under ``tf.control_dependencies(UPDATE_OPS)``, one ``sess.run``
+per step, each fed its own batch. Both sides start from the same constant initial
+values. Kernels: each fused inner step's executed kernels (partition graphs, after
+Grappler and oneDNN) against a single step's, so that a rewrite that fires in one and
+not the other fails the test even where this CPU rounds both alike.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+if sys.argv[1] == "disable_v2_behavior":
+    tf.compat.v1.disable_v2_behavior()
+else:
+    tf.compat.v1.disable_eager_execution()
+
+import multistep as ms  # noqa: E402 (after the preamble, as a user's program does)
+from multistep import kernels  # noqa: E402
+
+V1 = tf.compat.v1
+STEPS, RUNS, BATCH = 3, 2, 8
+OPTIMIZERS = {
+    "SGD": lambda: V1.train.GradientDescentOptimizer(0.1),
+    "Momentum": lambda: V1.train.MomentumOptimizer(0.1, 0.9),
+    "Adam": lambda: V1.train.AdamOptimizer(0.05),
+    "RMSProp": lambda: V1.train.RMSPropOptimizer(0.05),
+}
+_rng = np.random.RandomState(0)
+FLAT_X = _rng.randn(STEPS * RUNS, BATCH, 6).astype(np.float32)
+IMAGE_X = _rng.randn(STEPS * RUNS, BATCH, 5, 5, 2).astype(np.float32)
+LABELS = _rng.randint(0, 3, size=(STEPS * RUNS, BATCH)).astype(np.int32)
+
+
+def _var(name, shape, kind):
+    init = np.random.RandomState(len(name) * 7 + sum(shape)).randn(*shape).astype(np.float32) * 0.5
+    return V1.get_variable(name, initializer=init, use_resource=kind == "resource")
+
+
+def _xent(logits, y):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def mlp(x, y, kind):
+    """The issue's ref-variable MLP, then a layer for each activation the remapper fuses
+    after MatMul + BiasAdd (oneDNN also fuses MatMul + Add + activation)."""
+    h = tf.tanh(tf.matmul(x, _var("w1", [6, 8], kind)) + _var("b1", [8], kind))
+    for i, act in enumerate([tf.nn.relu, tf.nn.relu6, tf.nn.elu, tf.sigmoid, tf.nn.leaky_relu]):
+        h = act(tf.nn.bias_add(tf.matmul(h, _var(f"w{i + 2}", [8, 8], kind)),
+                               _var(f"b{i + 2}", [8], kind)))
+    return _xent(tf.matmul(h, _var("out", [8, 3], kind)), y)
+
+
+def conv(x, y, kind):
+    """Conv2D + BiasAdd + Relu (the remapper's _FusedConv2D), then a dense head."""
+    h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, _var("k", [3, 3, 2, 4], kind), 1, "SAME"),
+                                  _var("kb", [4], kind)))
+    return _xent(tf.matmul(tf.reshape(h, [BATCH, 100]), _var("out", [100, 3], kind)), y)
+
+
+def batch_norm(x, y, kind):
+    """Conv2D, then tf.compat.v1.layers.batch_normalization (FusedBatchNormV3, its
+    moving statistics in UPDATE_OPS), Relu and a dense head."""
+    with V1.variable_scope("bn_model", use_resource=kind == "resource"):
+        h = tf.nn.conv2d(x, _var("k", [3, 3, 2, 4], kind), 1, "SAME")
+        h = tf.nn.relu(V1.layers.batch_normalization(h, training=True, fused=True, name="bn"))
+        return _xent(tf.matmul(tf.reshape(h, [BATCH, 100]), _var("out", [100, 3], kind)), y)
+
+
+MODELS = {"mlp": (mlp, FLAT_X), "conv": (conv, IMAGE_X), "batch_norm": (batch_norm, IMAGE_X)}
+
+
+def _values(sess):
+    return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+
+def reference(model, kind, optimizer, lengths):
+    """``sum(lengths)`` canonical single steps: (values after each ``lengths[r]`` of
+    them, losses)."""
+    build, data = MODELS[model]
+    ends = np.cumsum(lengths)
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, data.shape[1:])
+        y = V1.placeholder(tf.int32, [BATCH])
+        loss = build(x, y, kind)
+        with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
+            train = OPTIMIZERS[optimizer]().minimize(loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            snapshots, losses = [], []
+            for i in range(ends[-1]):
+                losses.append(sess.run([train, loss], {x: data[i], y: LABELS[i]})[1])
+                if i + 1 in ends:
+                    snapshots.append(_values(sess))
+    return snapshots, np.array(losses, np.float32)
+
+
+def fused(model, kind, mode, optimizer, steps, lengths):
+    """Fused runs of ``lengths[r]`` steps each (loop mode: ``set_steps_per_run`` before a
+    run shorter than ``steps``), each fed its own batches: (values after each run,
+    losses, the kernels each inner step executed in the first run, by name within the
+    step)."""
+    build, data = MODELS[model]
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, (None,) + data.shape[1:])
+        y = V1.placeholder(tf.int32, [None, BATCH])
+        unrolled = ms.unroll(lambda xk, yk: build(xk, yk, kind), OPTIMIZERS[optimizer](), steps,
+                             inputs=(x, y), mode=mode)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            snapshots, losses, executed, start = [], [], None, 0
+            for length in lengths:
+                if unrolled.steps_per_run is not None:
+                    unrolled.set_steps_per_run(sess, length)
+                feed = {x: data[start:start + length], y: LABELS[start:start + length]}
+                start += length
+                if executed is None:
+                    value, nodes = kernels.executed(sess, unrolled.losses, feed)
+                    executed = kernels.of_steps(nodes, unrolled.name)
+                else:
+                    value = sess.run(unrolled.losses, feed)
+                losses.extend(value)
+                snapshots.append(_values(sess))
+    return snapshots, np.array(losses, np.float32), executed
+
+
+def main(cases):
+    for case in cases:
+        model, kind, mode, optimizer, *short = case.split(":")
+        # ":short" (loop mode): a run of STEPS steps, then set_steps_per_run(STEPS - 1).
+        lengths = [STEPS, STEPS - 1] if short else [STEPS] * RUNS
+        want, want_losses = reference(model, kind, optimizer, lengths)
+        got, got_losses, steps = fused(model, kind, mode, optimizer, STEPS, lengths)
+        single = fused(model, kind, mode, optimizer, 1, [1])[2][1]
+        deltas = {"losses": float(np.max(np.abs(got_losses - want_losses)))}
+        for a, b in zip(got, want):
+            assert set(a) == set(b), (sorted(a), sorted(b))
+            for name in b:
+                diff = float(np.max(np.abs(a[name].astype(np.float64) - b[name])))
+                deltas[name] = max(deltas.get(name, 0.0), diff)
+        difference = kernels.compare(steps, single)
+        print(json.dumps({"case": case, "max_delta": max(deltas.values()), "deltas": deltas,
+                          "steps": sorted(map(str, steps)), "kernels": len(single),
+                          "ops": sorted({str(k) for k in single.values()}),
+                          "kernel_difference": None if difference is None else str(difference)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:])

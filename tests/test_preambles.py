@@ -1,0 +1,72 @@
+"""The promise under both TF1 preambles, both variable kinds, both control-flow modes and
+oneDNN on and off: fused steps bitwise the canonical single steps, and every inner step
+executing a single step's kernels (tests/preamble_cases.py, one subprocess per preamble
+and oneDNN setting: all three are process-global).
+
+oneDNN is set explicitly both ways (TF_ENABLE_ONEDNN_OPTS=1 and 0): TensorFlow turns it on
+by default only on CPUs with AVX-512 VNNI, BF16 or AMX, so the default differs between x86
+machines. With it on, Grappler's remapper fuses MatMul + Add/BiasAdd + activation and
+Conv2D + BiasAdd + Relu into _MklNativeFused* kernels; with it off, MatMul/Conv2D + BiasAdd
++ activation into _Fused* kernels. A step whose ops reach Grappler in another shape than a
+single step's runs other kernels, which round differently on some CPU even where this one
+happens to agree: so the kernels are asserted, not only the values.
+"""
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("preamble_cases.py")
+OPTIMIZERS = ["Adam", "RMSProp", "Momentum", "SGD"]
+MODELS = ["mlp", "conv", "batch_norm"]
+# A fused kernel each model must run, or the test would not test the rewrite it is meant
+# to: with oneDNN, the issue's MatMul + Add + Tanh (its "+ b1" is an AddV2, which only
+# oneDNN's remapper fuses); without, MatMul + BiasAdd + Relu.
+HITS = {("mlp", "1"): "_MklNativeFusedMatMul(BiasAdd, Tanh)",
+        ("mlp", "0"): "_FusedMatMul(BiasAdd, Relu)",
+        ("conv", "1"): "_MklNativeFusedConv2D(BiasAdd, Relu)",
+        ("conv", "0"): "_FusedConv2D(BiasAdd, Relu)",
+        ("batch_norm", "1"): "_MklNativeFusedBatchNormEx", ("batch_norm", "0"): "FusedBatchNormV3"}
+
+
+def cases(preamble):
+    """Every model under each variable kind and mode that the preamble allows, the four
+    optimizers taken in turn (each model meets each); under disable_v2_behavior also the
+    issue's ref-variable MLP with RMSProp, Adam and SGD in both modes, and loop-mode runs
+    shortened by set_steps_per_run. Ref variables in loop mode need v1 control flow:
+    under disable_eager_execution alone they are refused (test_modes)."""
+    combos = [(m, k, mode) for m, k, mode in itertools.product(
+        MODELS, ["resource", "ref"], ["unrolled", "while_loop"])
+        if not (preamble == "disable_eager_execution" and k == "ref" and mode == "while_loop")]
+    out = [f"{m}:{k}:{mode}:{OPTIMIZERS[i % 4]}" for i, (m, k, mode) in enumerate(combos)]
+    if preamble == "disable_v2_behavior":
+        out += [f"mlp:ref:{mode}:{opt}" for mode in ("unrolled", "while_loop")
+                for opt in ("RMSProp", "Adam", "SGD")]
+        out += ["mlp:ref:while_loop:Adam:short", "batch_norm:ref:while_loop:Momentum:short"]
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.parametrize("onednn", ["1", "0"])
+@pytest.mark.parametrize("preamble", ["disable_eager_execution", "disable_v2_behavior"])
+def test_bitwise_with_the_single_steps_kernels(preamble, onednn):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_USE_LEGACY_KERAS="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    want = cases(preamble)
+    result = subprocess.run([sys.executable, str(WORKER), preamble, *want], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in rows] == want
+    for row in rows:
+        case = row["case"]
+        assert row["max_delta"] == 0.0, (case, {k: v for k, v in row["deltas"].items() if v})
+        assert row["kernel_difference"] is None, (case, row["kernel_difference"])
+        loop = ":while_loop:" in case
+        assert row["steps"] == (["1", "2..N"] if loop else ["1", "2", "3"]), case
+        model = case.split(":")[0]
+        assert HITS[model, onednn] in row["ops"], (case, row["ops"])
