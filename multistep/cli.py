@@ -134,6 +134,10 @@ def _parser():
     verify.add_argument("--explain", action="store_true",
                         help="also say whether every inner step executed a single step's kernels "
                              "(always said when the runs diverge or the kernels differ)")
+    verify.add_argument("--xla", action="store_true",
+                        help="compile every ms.unroll with XLA and compare the fused program "
+                             "with the single-step XLA program (bitwise), reporting the "
+                             "distance to plain single steps as information")
     verify.set_defaults(func=_verify)
 
     graph = sub.add_parser(
@@ -315,7 +319,7 @@ def _verify(args):
         return 2
     try:
         report = ms.verify(build_fn, steps=args.steps, runs=args.runs, atol=args.atol,
-                           explain=args.explain)
+                           explain=args.explain, xla=args.xla)
     except Exception:  # the model could not be built or run: not a divergence (exit 1)
         traceback.print_exc()
         print(f"multistep verify: could not run {args.target} (exit 2; 1 means the runs diverged)",

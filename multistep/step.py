@@ -22,6 +22,7 @@ import dataclasses
 import sys
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
 
 from multistep import lint, transforms
@@ -90,7 +91,7 @@ class Step:
             run_first = self._update_ops(collected, forward, initializers)
             with tf.control_dependencies(run_first):
                 outputs, apply_op = self._descend(k, loss, local, tape, forward)
-        conditional = self.nonfinite == "skip" or self.halted is not None  # after_apply in the cond
+        conditional = self.nonfinite == "skip" or self.guard.lift  # after_apply in the cond
         end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         _snapshot_ref_reads(graph.get_operations()[first_op:], deps)
@@ -126,8 +127,10 @@ class Step:
         elif self.nonfinite == "skip":
             with self.guard.scope("check"):
                 finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
+        elif self.guard.lift:  # nonfinite="ignore", compiled (XLA)
+            finite, otherwise = _opaque_true(), tf.no_op
         with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
-            if self.nonfinite == "skip" or self.halted is not None:
+            if self.nonfinite == "skip" or self.guard.lift:
                 return outputs, self._apply_if(finite, grads_and_vars, otherwise)
             with self._slots_scope(k):
                 return outputs, _apply_op(self.optimizer.apply_gradients(
@@ -261,7 +264,7 @@ class Step:
         check_capturable([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []),
             "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True",
-            compiled=self.halted is not None)
+            compiled=self.guard.lift)
 
         def apply():  # a skipped step runs no after_apply: only this branch has one
             with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
@@ -272,7 +275,7 @@ class Step:
             with tf.control_dependencies([otherwise()]):
                 return tf.constant(False)
 
-        return tf.cond(finite, apply, skip).op
+        return tf.cond(finite, apply, skip, name=_IF_FINITE).op
 
     def state(self):
         """The variables the steps train and count: weights, optimizer slots, global step,
@@ -320,6 +323,21 @@ def _snapshot_ref_reads(ops, deps):
             keep = [c for c in op.control_inputs if c not in deps]
             op._remove_all_control_inputs()
             op._add_control_inputs(keep)
+
+
+def _opaque_true():
+    """True, as XLA cannot see it: the predicate of the cond that holds a compiled step's
+    apply when nothing is checked (``nonfinite="ignore"``).
+
+    In one XLA program, step k reads what step k-1 assigned, and XLA's algebraic
+    simplifier reaches across steps: Adam's ``beta1_power * beta1``, step after step,
+    became a multiplication by a folded constant, and the unrolled program drifted from
+    the single-step program (``beta1_power`` 5e-6 off after 30 steps, the blobs model
+    7e-7). Each apply in a cond, as ``nonfinite="raise"`` and ``"skip"`` put it, is a
+    computation of its own that the simplifier does not fuse with the next step's; the
+    predicate passes an optimization barrier so that XLA cannot fold the cond away."""
+    [true] = gen_xla_ops.xla_optimization_barrier([tf.constant(True)], name="opaque_true")
+    return true
 
 
 def _free_constants(ops):
@@ -565,6 +583,12 @@ def check_capturable(variables, what, *, compiled):
         f"which also makes ref variables): v1 control flow carries ref variables.")
 
 
+# The name scope of _apply_if's cond. A v1 cond (disable_v2_behavior) builds its branches
+# in it, so step 1's slots (Adam's beta1_power) would be named "if_finite/beta1_power": the
+# creation guard strips it, as it strips the step's own scopes.
+_IF_FINITE = "if_finite"
+
+
 class CreationGuard:
     """Variable creator: names variables as a single-step graph would, once.
 
@@ -608,7 +632,10 @@ class CreationGuard:
         if self._prefix is None or not current.startswith(self._prefix):
             where = current if self.lift else None  # None: where it is asked for
         else:
-            where = (self.base + "/" if self.base else "") + current[len(self._prefix):]
+            rest = current[len(self._prefix):]
+            if rest.startswith(_IF_FINITE + "/"):
+                rest = rest[len(_IF_FINITE) + 1:]
+            where = (self.base + "/" if self.base else "") + rest
         if self.lift:  # the compiled program's step 1: made in this graph, not the program's
             kwargs["experimental_enable_variable_lifting"] = False  # a plain variable (tf.function)
             with tf.init_scope(), self.graph.name_scope(where):

@@ -14,6 +14,7 @@ build time: a step that reads trained state outside its dependencies raises
 """
 
 import collections
+import contextlib
 import dataclasses
 import numbers
 import re
@@ -288,6 +289,8 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
         raise TypeError(f"xla must be True or False, got {xla!r}.")
+    if _FORCED_XLA:
+        xla = _FORCED_XLA[-1]
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}.")
     if update_ops not in UPDATE_OPS or not isinstance(update_ops, (bool, str)):
@@ -360,7 +363,11 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             step.guard.lift = True
             program = tf.function(lambda count: steps_1_to_n(count)[0], jit_compile=True,
                                   autograph=False)
-            outputs = program(count)
+            try:
+                outputs = program(count)
+            except (TypeError, ValueError) as error:
+                _refuse_ref_variables_under_xla(error)
+                raise
             program_graph = program.get_concrete_function(count).graph
             lint.check_captures(program_graph, watched, name=label)
             lint.warn_random_under_xla(program_graph, name=label)
@@ -456,6 +463,35 @@ def _run_length(steps, *, count_done):
         done = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
                                      collections=local, name="steps_done")
     return _RunLength(variable, value, assign, read, done)
+
+
+_FORCED_XLA = []  # forced_xla's stack: the last value overrides every ms.unroll's xla=
+
+
+@contextlib.contextmanager
+def forced_xla(xla):
+    """Within it, every ``ms.unroll`` builds with ``xla=xla`` whatever it is given: how
+    ``ms.verify(..., xla=True)`` builds a user's ``build_fn`` as compiled fused steps,
+    compiled single steps, and plain single steps."""
+    _FORCED_XLA.append(bool(xla))
+    try:
+        yield
+    finally:
+        _FORCED_XLA.pop()
+
+
+def _refuse_ref_variables_under_xla(error):
+    """An XLA program that failed to build over ref variables (TensorFlow's error names
+    an op's ``float32_ref`` input, or none at all): the reason, said plainly."""
+    graph = tf.compat.v1.get_default_graph()
+    ref = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+           if v.op.type != "VarHandleOp"]
+    if ref:
+        named = [v for v in ref if v.op.name in str(error)] or ref
+        try:
+            step_lib.check_capturable(named, "xla=True", compiled=True)
+        except TypeError as refused:
+            raise refused from error
 
 
 def _check_replica_context(optimizer, mode, xla, nonfinite):

@@ -7,6 +7,7 @@ variable (weights, optimizer slots, global step) and every inner step's loss
 with those of ``steps`` single-step runs.
 """
 
+import contextlib
 import dataclasses
 import numbers
 import re
@@ -15,6 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from multistep import kernels as kernels_lib
+
+from multistep.unroll import forced_xla
 from multistep.unroll import positive_int as _positive_int
 
 __all__ = ["Report", "session_config", "verify"]
@@ -68,6 +71,11 @@ class Report:
         partition graphs of the first run of each. ``same_kernels`` is True, False, or
         None where no step's kernels could be read (all N steps in one XLA program).
       explain: the summary reports the kernels even when the values agree.
+      xla: the comparison was of compiled programs (``verify(..., xla=True)``): fused
+        XLA against the single-step XLA program.
+      plain_max_abs_diff: with ``xla``, the max |Δ| between the fused XLA program and
+        plain (uncompiled) single steps, over the same variables and losses; information,
+        not a verdict. Else None.
     """
 
     steps: int
@@ -82,6 +90,8 @@ class Report:
     kernels: object = None
     same_kernels: object = None
     explain: bool = False
+    xla: bool = False
+    plain_max_abs_diff: object = None
 
     @property
     def ok(self):
@@ -95,7 +105,9 @@ class Report:
         """One line: the verdict and the max |Δ|."""
         verdict = "OK" if self.ok else "DIVERGED"
         exact = " (bitwise equal)" if self.bitwise else ""
-        line = (f"verify: {self.steps}-step runs vs single steps, {self.runs} runs, "
+        what = ("XLA runs vs the single-step XLA program" if self.xla
+                else "runs vs single steps")
+        line = (f"verify: {self.steps}-step {what}, {self.runs} runs, "
                 f"{len(self.per_variable) - 1} variables and the losses compared after "
                 f"each run: max |Δ| = {self.max_abs_diff:.3g}{exact}, atol = {self.atol:g}: {verdict}")
         if not self.ok:
@@ -103,7 +115,12 @@ class Report:
             first = (run - 1) * self.steps + 1
             line += (f"; first divergence in run {run} (global steps {first}-"
                      f"{first + self.steps - 1}) at {name!r}")
-        if self.explain or not self.ok or self.same_kernels is False:
+        if self.xla:
+            line += (f"\nagainst plain single steps (no XLA): max |Δ| = "
+                     f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
+                     f"the arithmetic its own way, so its programs round otherwise than "
+                     f"TensorFlow's kernels; fused and single XLA programs compile alike")
+        elif self.explain or not self.ok or self.same_kernels is False:
             line += "\n" + self._kernel_line()
         return line
 
@@ -123,7 +140,8 @@ class Report:
         return "\n".join([self.summary(), f"  {'name':<{width}}  max |Δ|"] + rows)
 
 
-def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, explain=False):
+def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, explain=False,
+           xla=False):
     """Checks that ``steps``-step runs equal single steps, from identical initial values.
 
     Args:
@@ -144,6 +162,12 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         The kernels are read from the partition graphs of the first run (after Grappler
         and oneDNN's rewrites): equal bits on one CPU prove less than equal kernels,
         which round alike on any.
+      xla: build every ``ms.unroll`` in ``build_fn`` with ``xla=True`` (whatever it
+        passes), and compare the fused XLA program with ``steps`` runs of the
+        single-step XLA program: the same promise, bitwise, for the compiled mode.
+        Plain single steps (no XLA) run beside them, and ``plain_max_abs_diff`` reports
+        the distance to them as information: XLA's fusions round otherwise than
+        TensorFlow's kernels, the same way in the fused and the single-step program.
 
     Returns:
       A ``Report``; ``report.ok`` is True when nothing differed by more than ``atol``.
@@ -161,11 +185,22 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
     runs = _positive_int("runs", runs)
     if not isinstance(atol, numbers.Real) or not atol >= 0:
         raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
-    fused = _Program(build_fn, steps, config)
-    single = _Program(build_fn, 1, config)
+    compiled = forced_xla(True) if xla else contextlib.nullcontext()
+    with compiled:
+        fused = _Program(build_fn, steps, config)
+        single = _Program(build_fn, 1, config)
+    plain = None
+    if xla:
+        with forced_xla(False):
+            plain = _Program(build_fn, 1, config)
     try:
         names = _matching_names(fused, single)
         fused.load(single.values())
+        plain_diff = None
+        if plain is not None:
+            _matching_names(fused, plain)
+            plain.load(single.values())
+            plain_diff = 0.0
         per_variable = dict.fromkeys(names + ["losses"], 0.0)
         first, bitwise = None, True
         fused_losses, single_losses = [], []
@@ -174,6 +209,11 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
             want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
             if run == 0:
                 difference, same_kernels = _compare_kernels(fused, single)
+            if plain is not None:
+                plain_losses = np.concatenate([plain.run(run * steps + j) for j in range(steps)])
+                plain_values, now = plain.values(), fused.values()
+                plain_diff = max([plain_diff, _max_abs_diff(got, plain_losses)]
+                                 + [_max_abs_diff(now[n], plain_values[n]) for n in names])
             fused_losses.append(got)
             single_losses.append(want)
             fused_values, single_values = fused.values(), single.values()
@@ -192,10 +232,12 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
                       fused_losses=np.concatenate(fused_losses),
                       single_losses=np.concatenate(single_losses),
                       final_values=fused_values, kernels=difference,
-                      same_kernels=same_kernels, explain=bool(explain))
+                      same_kernels=same_kernels, explain=bool(explain), xla=bool(xla),
+                      plain_max_abs_diff=plain_diff)
     finally:
-        fused.close()
-        single.close()
+        for program in (fused, single, plain):
+            if program is not None:
+                program.close()
 
 
 def _compare_kernels(fused, single):

@@ -4,7 +4,7 @@ TF_USE_LEGACY_KERAS are process-global: read at import or switched once).
 
     python tests/preamble_cases.py {disable_eager_execution,disable_v2_behavior} CASE...
 
-CASE is MODEL:KIND:MODE:OPTIMIZER[:short] (e.g. mlp:ref:while_loop:Adam). Prints one JSON line
+CASE is MODEL:KIND:MODE:OPTIMIZER[:short][:skip] (e.g. mlp:ref:while_loop:Adam). Prints one JSON line
 per case: the max |Δ| of every global variable and of the per-step losses against the
 reference, and the first difference between the kernels an inner step executed and
 those of a single step (``ms.unroll(..., steps=1)``), by name within the step.
@@ -23,13 +23,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-if sys.argv[1] == "disable_v2_behavior":
-    tf.compat.v1.disable_v2_behavior()
-else:
-    tf.compat.v1.disable_eager_execution()
-
-import multistep as ms  # noqa: E402 (after the preamble, as a user's program does)
-from multistep import kernels  # noqa: E402
+import multistep as ms  # imports no TensorFlow switch: the preamble below is the user's
+from multistep import kernels
 
 V1 = tf.compat.v1
 STEPS, RUNS, BATCH = 3, 2, 8
@@ -108,7 +103,7 @@ def reference(model, kind, optimizer, lengths):
     return snapshots, np.array(losses, np.float32)
 
 
-def fused(model, kind, mode, optimizer, steps, lengths):
+def fused(model, kind, mode, optimizer, steps, lengths, **options):
     """Fused runs of ``lengths[r]`` steps each (loop mode: ``set_steps_per_run`` before a
     run shorter than ``steps``), each fed its own batches: (values after each run,
     losses, the kernels each inner step executed in the first run, by name within the
@@ -118,7 +113,7 @@ def fused(model, kind, mode, optimizer, steps, lengths):
         x = V1.placeholder(tf.float32, (None,) + data.shape[1:])
         y = V1.placeholder(tf.int32, [None, BATCH])
         unrolled = ms.unroll(lambda xk, yk: build(xk, yk, kind), OPTIMIZERS[optimizer](), steps,
-                             inputs=(x, y), mode=mode)
+                             inputs=(x, y), mode=mode, **options)
         with V1.Session() as sess:
             sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
             snapshots, losses, executed, start = [], [], None, 0
@@ -139,12 +134,15 @@ def fused(model, kind, mode, optimizer, steps, lengths):
 
 def main(cases):
     for case in cases:
-        model, kind, mode, optimizer, *short = case.split(":")
-        # ":short" (loop mode): a run of STEPS steps, then set_steps_per_run(STEPS - 1).
-        lengths = [STEPS, STEPS - 1] if short else [STEPS] * RUNS
+        model, kind, mode, optimizer, *extra = case.split(":")
+        # ":short" (loop mode): a run of STEPS steps, then set_steps_per_run(STEPS - 1);
+        # ":skip": nonfinite="skip" (each apply in a tf.cond; no step is non-finite here).
+        lengths = [STEPS, STEPS - 1] if "short" in extra else [STEPS] * RUNS
+        options = {"nonfinite": "skip"} if "skip" in extra else {}
         want, want_losses = reference(model, kind, optimizer, lengths)
-        got, got_losses, steps = fused(model, kind, mode, optimizer, STEPS, lengths)
-        single = fused(model, kind, mode, optimizer, 1, [1])[2][1]
+        got, got_losses, steps = fused(model, kind, mode, optimizer, STEPS, lengths, **options)
+        got = [{n: v for n, v in values.items() if n != "multistep/skipped_steps"} for values in got]
+        single = fused(model, kind, mode, optimizer, 1, [1], **options)[2][1]
         deltas = {"losses": float(np.max(np.abs(got_losses - want_losses)))}
         for a, b in zip(got, want):
             assert set(a) == set(b), (sorted(a), sorted(b))
@@ -159,5 +157,9 @@ def main(cases):
               flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (pytest imports this file for its doctests: no switch then)
+    if sys.argv[1] == "disable_v2_behavior":
+        tf.compat.v1.disable_v2_behavior()
+    else:
+        tf.compat.v1.disable_eager_execution()
     main(sys.argv[2:])

@@ -274,3 +274,75 @@ def test_xla_with_random_noise_warns_that_single_steps_cannot_match():
             ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(0.1), 3, xla=True,
                       grad_transforms=[ms.add_noise(0.1, seed=0)],
                       global_step=V1.train.get_or_create_global_step())
+
+
+def mlp_loss(*, batch_norm=False):
+    """tanh MLP on X; with ``batch_norm``, a hand-written batch normalisation whose moving
+    statistics are UPDATE_OPS (the canonical TF1 pattern)."""
+    w1 = V1.get_variable("w1", initializer=np.random.RandomState(1).randn(2, 8).astype(np.float32))
+    b1 = V1.get_variable("b1", [8], initializer=V1.zeros_initializer())
+    w2 = V1.get_variable("w2", initializer=np.random.RandomState(2).randn(8, 2).astype(np.float32))
+    h = tf.matmul(X, w1) + b1
+    if batch_norm:
+        moving = V1.get_variable("moving_mean", [8], initializer=V1.zeros_initializer(),
+                                 trainable=False)
+        mean, variance = tf.nn.moments(h, [0])
+        V1.add_to_collection(V1.GraphKeys.UPDATE_OPS, moving.assign(0.9 * moving + 0.1 * mean))
+        h = tf.nn.batch_normalization(h, mean, variance, None, None, 1e-3)
+    return xent(tf.matmul(tf.tanh(h), w2))
+
+
+XLA_CASES = {  # mode, N, optimizer, options
+    "unrolled-2-SGD": ("unrolled", 2, V1.train.GradientDescentOptimizer, {}),
+    "unrolled-5-Adam-clip": ("unrolled", 5, V1.train.AdamOptimizer,
+                             {"grad_transforms": [ms.clip_by_global_norm(0.5)]}),
+    "unrolled-5-Adam-ignore": ("unrolled", 5, V1.train.AdamOptimizer, {"nonfinite": "ignore"}),
+    "unrolled-17-RMSProp": ("unrolled", 17, V1.train.RMSPropOptimizer, {}),
+    "while_loop-2-Momentum": ("while_loop", 2, functools.partial(V1.train.MomentumOptimizer,
+                                                                  momentum=0.9), {}),
+    "while_loop-5-Adam-batch_norm": ("while_loop", 5, V1.train.AdamOptimizer, {"bn": True}),
+    "while_loop-17-Adam-ignore": ("while_loop", 17, V1.train.AdamOptimizer,
+                                  {"nonfinite": "ignore"}),
+}
+
+
+@pytest.mark.parametrize("case", XLA_CASES)
+def test_xla_verifies_bitwise_against_the_single_step_xla_program(case):
+    """ms.verify(xla=True): the fused XLA program against N runs of the single-step XLA
+    program, bitwise. The plain single step is another program (XLA fuses the arithmetic
+    its own way): were it the reference, these would not be bitwise (the distance to it
+    is asserted nonzero, so this test tells the two references apart)."""
+    mode, steps, optimizer, options = XLA_CASES[case]
+    options = dict(options)
+    batch_norm = options.pop("bn", False)
+
+    def build_it(n):  # no xla= here: verify(xla=True) compiles every ms.unroll
+        return ms.unroll(lambda: mlp_loss(batch_norm=batch_norm), optimizer(0.05), n, mode=mode,
+                         global_step=V1.train.get_or_create_global_step(), **options), {}
+
+    report = ms.verify(build_it, steps=steps, runs=2, xla=True)
+    assert report.xla and report.ok and report.bitwise, report.summary()
+    assert report.final_values["global_step"] == 2 * steps
+    assert report.plain_max_abs_diff > 0, report.summary()
+
+
+def test_xla_loop_runs_shortened_by_steps_per_run_match_the_single_step_program():
+    """steps_per_run 5, then 3 and 1: each run bitwise the single-step XLA program."""
+    values = {}
+    for steps in (5, 1):
+        with tf.Graph().as_default():
+            unrolled = ms.unroll(mlp_loss, V1.train.AdamOptimizer(0.05), steps, mode="while_loop",
+                                 xla=True, global_step=V1.train.get_or_create_global_step())
+            with V1.Session() as sess:
+                sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+                losses = []
+                for n in ((5, 3, 1) if steps == 5 else (1,) * 9):
+                    if steps == 5:
+                        unrolled.set_steps_per_run(sess, n)
+                    losses.extend(unrolled.run(sess))
+                values[steps] = ({v.op.name: sess.run(v) for v in V1.global_variables()}, losses)
+    (fused, fused_losses), (single, single_losses) = values[5], values[1]
+    assert np.array_equal(fused_losses, single_losses)
+    assert fused["global_step"] == single["global_step"] == 9
+    for name in single:
+        assert np.array_equal(fused[name], single[name]), name

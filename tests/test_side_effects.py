@@ -207,6 +207,22 @@ def test_a_dangling_counter_is_refused_by_name():
     assert "UPDATE_OPS" in str(info.value) and "after_apply" in str(info.value)
 
 
+def test_a_dangling_op_is_located_in_the_users_code():
+    """TensorFlow drops ``name=`` of assign_add on a resource variable (the op is
+    'AssignAddVariableOp'): the error names the file and line that built it."""
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        counter = V1.get_variable("calls", initializer=0.0, trainable=False)
+        V1.assign_add(counter, 1.0, name="count_calls")  # the line the error must name
+        return w * w
+
+    line = loss_fn.__code__.co_firstlineno + 3
+    with tf.Graph().as_default(), pytest.raises(ValueError) as info:
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
+    assert "'multistep/step_1/forward/AssignAddVariableOp'" in str(info.value)
+    assert f"at {__file__}:{line} (in loss_fn)" in str(info.value), str(info.value)
+
+
 def test_an_after_apply_op_it_does_not_return_is_refused():
     def after():
         [w] = V1.trainable_variables()
