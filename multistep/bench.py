@@ -205,7 +205,51 @@ def _tf2_method(jit):
     return method
 
 
-def _keras_method(problem, steps, timing):
+def _tf2_step(problem):
+    """A TF2 user's single training step on ``problem``: Keras 3 Adam over tf.Variables,
+    the full batch (the step's ``batch`` argument is a dummy: one per step)."""
+    import keras
+
+    weights = [(tf.Variable(w), tf.Variable(b)) for w, b in _initial_values(problem)]
+    flat = [v for pair in weights for v in pair]
+    optimizer = keras.optimizers.Adam(LEARNING_RATE)
+    x = tf.constant(problem.x)
+
+    def step(batch):
+        with tf.GradientTape() as tape:
+            loss = _forward(problem, weights, x)
+        optimizer.apply_gradients(zip(tape.gradient(loss, flat), flat))
+        return loss
+
+    return step
+
+
+def _tf2_single_method(jit):
+    """N calls of the single-step ``tf.function`` from Python."""
+    def method(problem, steps, timing):
+        single = tf.function(_tf2_step(problem), jit_compile=jit)
+        batch = tf.constant(0.0)
+
+        def run_steps():
+            for _ in range(steps):
+                loss = single(batch)
+            loss.numpy()
+        return timing.per_step_us(run_steps, steps)
+    return method
+
+
+def _tf2_fused_method(jit):
+    """``ms.tf2.fuse``: N steps in one call, every step's loss returned."""
+    def method(problem, steps, timing):
+        from multistep import tf2
+
+        fused = tf2.fuse(_tf2_step(problem), steps, jit_compile=jit, check=False)
+        batches = tf.zeros([steps])
+        return timing.per_step_us(lambda: fused(batches)["loss"].numpy(), steps)
+    return method
+
+
+def _keras_method(problem, steps, timing, jit_compile=False):
     import keras
 
     inputs = keras.Input((problem.x.shape[1],))
@@ -215,7 +259,8 @@ def _keras_method(problem, steps, timing):
                                kernel_initializer=keras.initializers.Constant(w))(h)
     model = keras.Model(inputs, h)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), steps_per_execution=steps,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
     # fit() calls on_train_batch_end once per execution of N steps. The time between two
     # such calls is one execution, with fit()'s fixed start-up and tear-down left out;
@@ -250,7 +295,12 @@ METHODS = {
     "while_loop+xla": _v1_method("while_loop", True),
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
+    "tf2 tf.function x N": _tf2_single_method(False),
+    "tf2 tf.function+jit x N": _tf2_single_method(True),
+    "ms.tf2.fuse": _tf2_fused_method(False),
+    "ms.tf2.fuse+jit": _tf2_fused_method(True),
     "keras spe=N": _keras_method,
+    "keras spe=N+jit": lambda problem, steps, timing: _keras_method(problem, steps, timing, True),
     "jax fori_loop": _jax_method(losses=False),
     "jax fori_loop+losses": _jax_method(losses=True),  # like ms.unroll: the [N] losses too
 }
@@ -347,14 +397,14 @@ def table(results):
     """
     bases = {name: {(r.problem, r.steps): r for r in results if r.method == name}
              for name in BASELINES}
-    lines = [f"{'problem':<7} {'N':>5}  {'method':<18} {'µs/step':>9} {'spread (IQR)':>17} "
+    lines = [f"{'problem':<7} {'N':>5}  {'method':<24} {'µs/step':>9} {'spread (IQR)':>17} "
              + " ".join(f"{'vs ' + name:>21}" for name in BASELINES)]
     for r in results:
         if np.isnan(r.median_us):
-            lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<18} {'—':>9} {'':>17} {r.note}")
+            lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<24} {'—':>9} {'':>17} {r.note}")
             continue
         ratios = [_ratio(r, base.get((r.problem, r.steps))) for base in bases.values()]
-        lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<18} {r.median_us:>9.2f} "
+        lines.append(f"{r.problem:<7} {r.steps:>5}  {r.method:<24} {r.median_us:>9.2f} "
                      f"{f'{r.low_us:.2f}-{r.high_us:.2f}':>17} " + " ".join(f"{x:>21}" for x in ratios))
     return "\n".join(lines)
 

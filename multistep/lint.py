@@ -231,6 +231,8 @@ def check_captures(body, watched, *, name):
     """
     stale = {}  # op -> (variable name, read op) in its ancestry, or None
     for tensor in captures(body):
+        if not tf.is_symbolic_tensor(tensor):
+            continue  # an eager value: no graph history (multistep.tf2 reports it as frozen)
         if source_op(tensor) in watched:
             continue  # a variable handle (or its ref): read inside the body
         # Shared ancestry is walked once.

@@ -115,7 +115,7 @@ class Report:
             first = (run - 1) * self.steps + 1
             line += (f"; first divergence in run {run} (global steps {first}-"
                      f"{first + self.steps - 1}) at {name!r}")
-        if self.xla:
+        if self.plain_max_abs_diff is not None:
             line += (f"\nagainst plain single steps (no XLA): max |Δ| = "
                      f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
                      f"the arithmetic its own way, so its programs round otherwise than "

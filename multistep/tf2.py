@@ -1,0 +1,421 @@
+"""TensorFlow 2 and Keras 3: N training steps in one ``tf.function`` call.
+
+A TF2 training step is a Python function (forward, ``GradientTape``, ``apply_gradients``)
+that a ``tf.function`` runs once per call from Python; for a small model the call costs
+more than the maths. ``fuse`` runs N of them in one call: step 1, then a ``tf.while_loop``
+whose body is the same step, traced once, each step reading the variables the previous
+one wrote (the loop carries the order). It returns every step's loss and scalars.
+
+The trap is TF1's: a value computed before the loop and used inside it is a loop
+invariant, evaluated once per call, so every step reuses it (a gradient computed before
+the loop, applied N times; an L2 term of the weights before the call). ``check`` finds
+those in the traced loop with the same capture check the TF1 builder uses
+(``multistep.lint.check_captures``), and the Python-side state a trace freezes. ``verify``
+compares N fused steps with N single calls of ``tf.function(step_fn)``, bitwise, with
+the TF1 verifier's comparison.
+"""
+
+import dataclasses
+import numbers
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from multistep import lint
+from multistep.verify import _max_abs_diff, _same_bits
+
+__all__ = ["Finding", "Fused", "VerifyReport", "check", "fuse", "verify"]
+
+
+def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None):
+    """N calls of ``step_fn`` in one ``tf.function`` call.
+
+    Args:
+      step_fn: ``step_fn(batch) -> loss`` or ``-> {"loss": ..., other scalars}``: one
+        training step (forward, tape, ``optimizer.apply_gradients``), as you would
+        decorate with ``tf.function``. Variables (a Keras model built lazily, the
+        optimizer's slots) may be created on the first call.
+      steps: N >= 1, the steps of one call.
+      jit_compile: compile the N steps as one XLA program (compare with single steps
+        compiled too: ``verify(..., jit_compile=True)``).
+      check: on the first call, refuse (``ms.StaleForwardError``) a loop that captures a
+        value computed before it from a variable the loop writes (see ``check``).
+      optimizer: the optimizer whose ``iterations`` the output ``"iteration"`` reads;
+        default: the one object with an ``iterations`` variable that ``step_fn`` refers
+        to (in its closure, by a global name, or as ``self.optimizer`` of a bound
+        method such as a Keras model's ``train_step``); none found, no ``"iteration"``.
+
+    Returns:
+      A ``Fused``: ``fused(batches)`` runs the steps and returns a dict of ``[n]``
+      tensors, one value per step: ``"loss"``, the step's other scalars, and
+      ``"iteration"`` (the optimizer's iteration count after each step, where the
+      step's variables include a Keras optimizer's ``iteration``). ``batches``: a nest
+      of tensors whose leading dimension is N (step k takes slice k), or a
+      ``tf.data`` iterator (N elements, in order; fewer if it runs out: ``n`` is then
+      the number taken, said by a warning, with no retrace).
+
+    Example:
+      >>> import tensorflow as tf, multistep as ms
+      >>> w = tf.Variable(1.0)
+      >>> opt = tf.keras.optimizers.SGD(0.25)
+      >>> def step(batch):
+      ...     with tf.GradientTape() as tape:
+      ...         loss = w * w * batch
+      ...     opt.apply_gradients([(tape.gradient(loss, w), w)])
+      ...     return loss
+      >>> fused = ms.tf2.fuse(step, steps=3)
+      >>> out = fused(tf.ones([3]))
+      >>> out["loss"].numpy().tolist(), out["iteration"].numpy().tolist(), w.numpy()
+      ([1.0, 0.25, 0.0625], [1, 2, 3], 0.125)
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable (batch -> loss or dict), got {step_fn!r}.")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}.")
+    if not isinstance(jit_compile, bool):
+        raise TypeError(f"jit_compile must be True or False, got {jit_compile!r}.")
+    return Fused(step_fn, int(steps), jit_compile, check, optimizer or _find_optimizer(step_fn))
+
+
+class Fused:
+    """``fuse``'s result: call it with N steps' batches (see ``fuse``)."""
+
+    def __init__(self, step_fn, steps, jit_compile, check, optimizer):
+        self.step_fn, self.steps, self.jit_compile, self._check = step_fn, steps, jit_compile, check
+        self.optimizer = optimizer
+        self._bodies = []  # the loop body's FuncGraph, from the trace
+        self._traces = 0
+        self._signature = None  # the batches' TensorSpecs of the first call
+        self._function = tf.function(self._program, jit_compile=jit_compile, autograph=False)
+
+    def __call__(self, batches):
+        if _is_iterator(batches):
+            return self._call_iterator(batches)
+        self._check_leading(batches)
+        return self._run(batches)
+
+    def _run(self, batches, count=None):
+        batches = tf.nest.map_structure(tf.convert_to_tensor, batches)
+        signature = tf.nest.map_structure(tf.TensorSpec.from_tensor, batches)
+        if self._signature is None:
+            self._signature = signature
+        elif signature != self._signature:
+            raise RuntimeError(
+                f"ms.tf2.fuse: these batches ({signature}) would trace the fused steps again "
+                f"(first traced for {self._signature}). A second trace would freeze step_fn's "
+                f"Python values anew and compile again; keep the batches' structure, shapes "
+                f"and dtypes (a tf.data input's last short block is run without a retrace).")
+        traces = self._traces
+        out = self._function(batches, tf.constant(self.steps if count is None else count))
+        if traces and self._traces != traces:  # a retrace not caught above: say so
+            raise RuntimeError(f"ms.tf2.fuse: the fused steps were traced again (trace "
+                               f"{self._traces}), though the batches' signature did not change.")
+        if self._check and traces == 0:
+            findings = [f for f in self.findings() if f.stale]
+            if findings:
+                raise lint.StaleForwardError(str(findings[0]))
+        return out
+
+    def _call_iterator(self, iterator):
+        elements, count = [], 0
+        for _ in range(self.steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            elements.append(element.get_value())
+            count += 1
+        if count == 0:
+            raise tf.errors.OutOfRangeError(None, None, "ms.tf2.fuse: the input is exhausted.")
+        if count < self.steps:
+            warnings.warn(f"ms.tf2.fuse: the input ran out: this call ran {count} of its "
+                          f"{self.steps} steps.", RuntimeWarning, stacklevel=3)
+            # The same shapes as a full block (no retrace): the missing steps repeat the
+            # last element and are not run (the loop stops at count).
+            elements += [elements[-1]] * (self.steps - count)
+        batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *elements)
+        out = self._run(batches, count)
+        return {key: value[:count] for key, value in out.items()}
+
+    def _check_leading(self, batches):
+        for t in tf.nest.flatten(batches):
+            shape = tf.convert_to_tensor(t).shape
+            if shape.rank == 0 or (shape[0] is not None and shape[0] != self.steps):
+                raise ValueError(
+                    f"ms.tf2.fuse: batches need a leading dimension of steps={self.steps} "
+                    f"(step k takes slice k), got shape {shape}.")
+
+    def _program(self, batches, count):
+        self._traces += 1
+        count = tf.convert_to_tensor(count, tf.int32)
+        first = self._step(batches, 0)
+        keys = sorted(first)
+        if self.steps == 1:
+            return {key: value[None] for key, value in first.items()}
+        arrays = {key: tf.TensorArray(first[key].dtype, size=self.steps - 1) for key in keys}
+
+        def body(k, arrays):
+            self._bodies.append(tf.compat.v1.get_default_graph())
+            out = self._step(batches, k)
+            if sorted(out) != keys:
+                raise ValueError(f"step_fn returned {sorted(out)} in the loop, {keys} at step 1.")
+            return k + 1, {key: arrays[key].write(k - 1, out[key]) for key in keys}
+
+        # One iteration at a time: step k+1 reads what step k wrote.
+        k, arrays = tf.while_loop(lambda k, _: k < count, body, (tf.constant(1), arrays),
+                                  maximum_iterations=self.steps - 1, parallel_iterations=1,
+                                  name="fused_steps")
+        return {key: tf.concat([first[key][None], arrays[key].stack()], 0) for key in keys}
+
+    def _step(self, batches, k):
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
+        returned = self.step_fn(batch)
+        out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
+        if "loss" not in out:
+            raise ValueError(f"step_fn must return a loss or a dict with a 'loss'; got keys "
+                             f"{sorted(out)}.")
+        out = {key: tf.convert_to_tensor(value) for key, value in out.items()}
+        for key, value in out.items():
+            if value.shape.rank != 0:
+                raise ValueError(f"step_fn's {key!r} must be a scalar, got shape {value.shape}.")
+        if self.optimizer is not None and "iteration" not in out:
+            out["iteration"] = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
+        return out
+
+    def findings(self):
+        """The traps found in the traced loop (``check``); needs a call or a trace first."""
+        if not self._bodies:
+            return []
+        body = self._bodies[-1]
+        written = _written_variables(body)
+        return _capture_findings(body, written)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One trap ``check`` found: what, where, and the fix."""
+
+    kind: str  # "stale", "frozen" or "python_state"
+    message: str
+
+    @property
+    def stale(self):
+        return self.kind == "stale"
+
+    def __str__(self):
+        return self.message
+
+
+def check(fused, batches):
+    """The traps in ``fused``'s loop, before anything runs (it traces, which creates the
+    variables a lazily built model makes): a list of ``Finding``.
+
+    - ``stale``: the loop uses a value computed before it from a read of a variable the
+      loop writes (evaluated once per call, so every step reuses the first value).
+    - ``frozen``: the loop uses a non-variable value captured from Python or eager code
+      (a constant in every step and every call; harmless for data, wrong for anything
+      computed from the weights, such as a gradient or an L2 term computed eagerly).
+    - ``python_state``: two traces of ``step_fn`` differ in a constant: Python state
+      (a counter, a float attribute) that each trace freezes at its value then.
+    """
+    if not isinstance(fused, Fused):
+        raise TypeError(f"check takes what ms.tf2.fuse returned, got {type(fused).__name__}.")
+    if _is_iterator(batches):
+        raise TypeError("check takes batches as tensors with a leading dimension N; take N "
+                        "elements from the iterator first.")
+    fused._check_leading(batches)
+    fused._function.get_concrete_function(
+        tf.nest.map_structure(tf.convert_to_tensor, batches), tf.constant(fused.steps))
+    return fused.findings() + _python_state_findings(fused.step_fn, batches)
+
+
+def _python_state_findings(step_fn, batches):
+    batch = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), batches)
+    graphs = [tf.function(step_fn, autograph=False).get_concrete_function(batch).graph
+              for _ in range(2)]
+    constants = [[(op.name, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
+                  if op.type == "Const"] for g in graphs]
+    findings = []
+    for (name, a), (_, b) in zip(*constants):
+        if a.shape != b.shape or not np.array_equal(a, b):
+            findings.append(Finding("python_state", (
+                f"step_fn's constant '{name}' was {a.tolist()} in one trace and {b.tolist()} "
+                f"in the next: Python state read in step_fn (a counter, an attribute) is "
+                f"frozen at each trace, so every fused step reuses one value. Keep it in a "
+                f"tf.Variable and update it inside step_fn.")))
+    return findings
+
+
+def _capture_findings(body, written):
+    """Stale and frozen captures of the loop body (a FuncGraph)."""
+    findings = []
+    watched = {op: name for op, name in written.items()}
+    try:
+        lint.check_captures(body, watched, name="ms.tf2.fuse")
+    except lint.StaleForwardError as error:
+        findings.append(Finding("stale", str(error)))
+    for outer, inner in body.captures:
+        if not tf.is_symbolic_tensor(outer) and outer.dtype != tf.resource:
+            findings.append(Finding("frozen", (
+                f"ms.tf2.fuse: the loop uses a value computed before the call "
+                f"(shape {outer.shape}, {outer.dtype.name}), captured as "
+                f"'{inner.op.name}': the same in every step and every call. Data may "
+                f"be; anything computed from the weights (a gradient, an L2 term) must "
+                f"be computed inside step_fn.")))
+    return findings
+
+
+def _written_variables(body):
+    """The variables the loop body writes: the op that holds each one's handle in the graph
+    around the loop (what ``lint.check_captures`` walks) -> the writing op's name. The body
+    captures a variable's handle from the graph around it, or straight from eager code
+    (the handle of a variable made eagerly): then the graph around it holds its own."""
+    around = {outer.ref(): inner for outer, inner in getattr(body.outer_graph, "captures", ())}
+    outer_of = {inner.ref(): outer for outer, inner in body.captures}
+    written = {}
+    for op in body.get_operations():
+        if lint.is_write(op):
+            outer = outer_of.get(lint.source_op(op.inputs[0]).outputs[0].ref())
+            if outer is not None and not tf.is_symbolic_tensor(outer):
+                outer = around.get(outer.ref())
+            if outer is not None:
+                written[lint.source_op(outer)] = op.name
+    return written
+
+
+def _find_optimizer(step_fn):
+    """The optimizer ``step_fn`` uses, where it is the one object with an ``iterations``
+    variable among the names it refers to (its closure, the globals it names, ``self``
+    of a bound method and that object's ``optimizer``); else None."""
+    code = getattr(step_fn, "__code__", None)
+    found = [c.cell_contents for c in getattr(step_fn, "__closure__", None) or ()
+             if _has_cell_contents(c)]
+    if code is not None:
+        scope = getattr(step_fn, "__globals__", {})
+        found += [scope[n] for n in code.co_names if n in scope]
+    owner = getattr(step_fn, "__self__", None)
+    if owner is not None:
+        found += [owner, getattr(owner, "optimizer", None)]
+    optimizers = {id(o): o for o in found
+                  if hasattr(getattr(o, "iterations", None), "assign_add")}
+    return next(iter(optimizers.values())) if len(optimizers) == 1 else None
+
+
+def _has_cell_contents(cell):
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _is_iterator(value):
+    return isinstance(value, tf.data.Iterator)
+
+
+def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=None, atol=0.0):
+    """N fused steps against N single calls of ``tf.function(step_fn)``, bitwise.
+
+    Builds ``fuse(step_fn, steps, jit_compile=jit_compile)`` (its first trace creates the
+    variables a lazily built model makes), snapshots every variable the fused steps use
+    (the model's, the optimizer's slots and iteration, metrics, random generators' state),
+    runs ``calls`` fused calls, restores the snapshot, runs ``steps * calls`` calls of
+    ``tf.function(step_fn, jit_compile=jit_compile)`` on the same batches, compares every
+    variable after each N steps and every step's outputs, and restores the snapshot again:
+    the model is left as it was.
+
+    Args:
+      step_fn, steps, jit_compile, optimizer: as ``fuse``.
+      batches: a nest of tensors with leading dimension ``steps * calls`` (call c takes
+        ``[c * steps, (c + 1) * steps)``), or a ``tf.data.Dataset`` of single batches
+        (the first ``steps * calls`` elements are taken).
+      calls: fused calls to compare (>= 1).
+      atol: allowed max |Δ|; 0.0 asks for bitwise equality.
+
+    Returns:
+      An ``ms.Report`` (as ``ms.verify``'s): ``runs`` counts the fused calls,
+      ``per_variable`` has each variable and each per-step output (``"loss"``, ...),
+      ``first_divergence`` is (call, name).
+    """
+    from multistep.verify import Report  # (the TF1 verifier's report)
+
+    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
+        raise ValueError(f"calls must be an int >= 1, got {calls!r}.")
+    fused = fuse(step_fn, steps, jit_compile=jit_compile, check=False, optimizer=optimizer)
+    total = fused.steps * calls
+    if isinstance(batches, tf.data.Dataset):
+        elements = list(batches.take(total))
+        if len(elements) < total:
+            raise ValueError(f"batches: the dataset has {len(elements)} elements, "
+                             f"{total} needed (steps * calls).")
+        batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *elements)
+    batches = tf.nest.map_structure(tf.convert_to_tensor, batches)
+    for t in tf.nest.flatten(batches):
+        if t.shape.rank == 0 or t.shape[0] != total:
+            raise ValueError(f"batches need a leading dimension of steps * calls = {total}, "
+                             f"got shape {t.shape}.")
+
+    def block(c):
+        return tf.nest.map_structure(lambda t: t[c * fused.steps:(c + 1) * fused.steps], batches)
+
+    concrete = fused._function.get_concrete_function(block(0), tf.constant(fused.steps))
+    variables = _unique_names(concrete.variables)
+    start = {name: tf.identity(v).numpy() for name, v in variables.items()}
+
+    def values():
+        return {name: v.numpy() for name, v in variables.items()}
+
+    def restore():
+        for name, v in variables.items():
+            v.assign(start[name])
+
+    fused_out, fused_values = [], []
+    for c in range(calls):
+        fused_out.append({k: v.numpy() for k, v in fused(block(c)).items()})
+        fused_values.append(values())
+    restore()
+    single = tf.function(step_fn, jit_compile=jit_compile, autograph=False)
+    single_out, single_values = [], []
+    for c in range(calls):
+        outs = []
+        for k in range(fused.steps):
+            returned = single(tf.nest.map_structure(lambda t: t[c * fused.steps + k], batches))
+            out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
+            if fused.optimizer is not None and "iteration" not in out:
+                out["iteration"] = fused.optimizer.iterations
+            outs.append({key: np.asarray(value) for key, value in out.items()})
+        single_out.append({key: np.stack([o[key] for o in outs]) for key in outs[0]})
+        single_values.append(values())
+    restore()
+
+    per_variable, first, bitwise = {}, None, True
+    for c in range(calls):
+        pairs = [(n, fused_values[c][n], single_values[c][n]) for n in variables]
+        pairs += [(key, fused_out[c][key], single_out[c][key].astype(fused_out[c][key].dtype))
+                  for key in fused_out[c]]
+        for name, a, b in pairs:
+            name = "losses" if name == "loss" else name  # as ms.verify names them
+            diff = _max_abs_diff(a, b)
+            bitwise = bitwise and _same_bits(a, b)
+            per_variable[name] = max(per_variable.get(name, 0.0), diff)
+            if first is None and not diff <= atol:
+                first = (c + 1, name)
+    return Report(steps=fused.steps, runs=calls, atol=float(atol), per_variable=per_variable,
+                  first_divergence=first, bitwise=bitwise,
+                  fused_losses=np.concatenate([o["loss"] for o in fused_out]),
+                  single_losses=np.concatenate([o["loss"] for o in single_out]),
+                  final_values=fused_values[-1], xla=jit_compile,
+                  plain_max_abs_diff=None)
+
+
+def _unique_names(variables):
+    """name -> variable, the names made unique (Keras 3 names a layer's kernel 'kernel')."""
+    out = {}
+    for v in variables:
+        name = getattr(v, "path", None) or v.name.split(":")[0]
+        unique, n = name, 1
+        while unique in out:
+            n += 1
+            unique = f"{name}#{n}"
+        out[unique] = v
+    return out

@@ -1,0 +1,245 @@
+"""ms.tf2: N steps in one tf.function call against N single calls of tf.function(step),
+written here without multistep; and the traps ms.tf2.check finds."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+STEPS, CALLS = 4, 2
+_rng = np.random.RandomState(0)
+X = _rng.randn(STEPS * CALLS, 8, 4).astype(np.float32)
+Y = _rng.randint(0, 3, (STEPS * CALLS, 8)).astype(np.int32)
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=3, decay_rate=0.5)),
+}
+
+
+def keras_step(layer, optimizer):
+    """A Keras 3 model (Dense, then ``layer``: none, BatchNormalization or a seeded
+    Dropout), built from seed 1, and its training step as a TF2 user writes it."""
+    keras.utils.set_random_seed(1)
+    extra = {"dense": [], "batch_norm": [keras.layers.BatchNormalization()],
+             "dropout": [keras.layers.Dropout(0.3, seed=3)]}[layer]
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                              *extra, keras.layers.Dense(3)])
+    opt = OPTIMIZERS[optimizer]()
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(batch):
+        x, y = batch
+        with tf.GradientTape() as tape:
+            loss = xent(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return {"loss": loss, "grad_norm": tf.linalg.global_norm(grads)}
+
+    return model, opt, step
+
+
+CASES = [  # layer, optimizer, inputs, jit_compile: each layer, optimizer, input kind, jit
+    ("dense", "sgd_momentum", "stacked", False),
+    ("dense", "adam_schedule", "dataset", True),
+    ("batch_norm", "adam", "stacked", True),
+    ("batch_norm", "sgd_momentum", "dataset", False),
+    ("dropout", "adam_schedule", "stacked", False),
+    ("dropout", "adam", "dataset", True),
+]
+
+
+@pytest.mark.parametrize("layer,optimizer,inputs,jit", CASES)
+def test_fused_steps_are_bitwise_the_single_calls(layer, optimizer, inputs, jit):
+    model, opt, step = keras_step(layer, optimizer)
+    fused = ms.tf2.fuse(step, STEPS, jit_compile=jit)
+    if inputs == "stacked":
+        outs = [fused((X[c * STEPS:(c + 1) * STEPS], Y[c * STEPS:(c + 1) * STEPS]))
+                for c in range(CALLS)]
+    else:
+        iterator = iter(tf.data.Dataset.from_tensor_slices((X, Y)))
+        outs = [fused(iterator) for _ in range(CALLS)]
+    got = {key: np.concatenate([o[key].numpy() for o in outs]) for key in outs[0]}
+    got_values = [v.numpy() for v in model.variables + opt.variables]
+
+    model, opt, step = keras_step(layer, optimizer)  # the reference: single calls
+    single = tf.function(step, jit_compile=jit)
+    want = [single((X[i], Y[i])) for i in range(STEPS * CALLS)]
+    assert sorted(got) == ["grad_norm", "iteration", "loss"]
+    for key in ("loss", "grad_norm"):
+        assert np.array_equal(got[key], [w[key].numpy() for w in want]), key
+    assert got["iteration"].tolist() == list(range(1, STEPS * CALLS + 1))
+    want_values = [v.numpy() for v in model.variables + opt.variables]
+    assert len(got_values) == len(want_values)
+    for a, b in zip(got_values, want_values):
+        assert np.array_equal(a, b)
+
+
+def test_verify_reports_bitwise_and_leaves_the_model_as_it_was():
+    model, opt, step = keras_step("batch_norm", "adam")
+    fused = ms.tf2.fuse(step, STEPS)
+    fused((X[:STEPS], Y[:STEPS]))  # trained a little first: verify starts from here
+    before = [v.numpy() for v in model.variables + opt.variables]
+    report = ms.tf2.verify(step, STEPS, batches=(X, Y), calls=CALLS)
+    assert report.ok and report.bitwise, str(report)
+    assert "iteration" in report.per_variable and "losses" in report.per_variable
+    after = [v.numpy() for v in model.variables + opt.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def stale_gradient_step():
+    """The trap: a gradient computed once (at the first trace, before the loop) and
+    applied at every step."""
+    w = tf.Variable([1.0, -2.0])
+    opt = keras.optimizers.SGD(0.1)
+    cache = {}
+
+    def step(batch):
+        if "grads" not in cache:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w * batch)
+            cache["grads"], cache["loss"] = tape.gradient(loss, w), loss
+        opt.apply_gradients([(cache["grads"], w)])
+        return cache["loss"]
+
+    return w, step
+
+
+def test_check_finds_a_stale_gradient_and_fuse_refuses_it():
+    w, step = stale_gradient_step()
+    findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS, 2]))
+    assert [f.kind for f in findings] == ["stale"], findings
+    assert "is computed once, before the loop" in str(findings[0])
+    w, step = stale_gradient_step()
+    with pytest.raises(ms.StaleForwardError, match="before the loop"):
+        ms.tf2.fuse(step, STEPS)(tf.ones([STEPS, 2]))
+    # Had it run: every step applies the first gradient, 2 w0, so w = w0 - 4 * 0.1 * 2 w0
+    # = 0.2 w0, where 4 real steps give w0 * (1 - 0.2)^4 (exact in float32: both are
+    # products and differences of short binary fractions... within one rounding each).
+    w, step = stale_gradient_step()
+    ms.tf2.fuse(step, STEPS, check=False)(tf.ones([STEPS, 2]))
+    np.testing.assert_allclose(w.numpy(), [0.2, -0.4], rtol=1e-6)  # 4 roundings of 2^-24
+    assert not np.allclose(w.numpy(), np.array([1.0, -2.0]) * 0.8 ** 4)
+
+
+def test_check_finds_a_stale_l2_term():
+    w = tf.Variable([1.0, -2.0])
+    opt = keras.optimizers.SGD(0.1)
+    cache = {}
+
+    def step(batch):
+        if "l2" not in cache:  # the weights' L2 term, computed at the first trace only
+            cache["l2"] = 0.01 * tf.reduce_sum(w * w)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * batch) + cache["l2"]
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        return loss
+
+    findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS, 2]))
+    assert [f.kind for f in findings] == ["stale"], findings
+    assert "'w'" in str(findings[0]) or "ReadVariableOp" in str(findings[0])
+
+
+def test_check_reports_a_frozen_eager_value():
+    w = tf.Variable([1.0, -2.0])
+    opt = keras.optimizers.SGD(0.1)
+    with tf.GradientTape() as tape:  # eagerly, before fusing: a constant of the trace
+        frozen_grad = tape.gradient(tf.reduce_sum(w * w), w)
+
+    def step(batch):
+        opt.apply_gradients([(frozen_grad * batch, w)])
+        return tf.reduce_sum(w)
+
+    findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS, 2]))
+    assert [f.kind for f in findings] == ["frozen"], findings
+    assert "shape (2,), float32" in str(findings[0])
+
+
+def test_check_reports_python_state_that_each_trace_freezes():
+    w = tf.Variable(1.0)
+    opt = keras.optimizers.SGD(0.1)
+    counter = [0]
+
+    def step(batch):
+        counter[0] += 1  # Python: frozen at each trace
+        with tf.GradientTape() as tape:
+            loss = w * w * batch * float(counter[0])
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        return loss
+
+    findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS]))
+    assert [f.kind for f in findings] == ["python_state"], findings
+    assert "in one trace and" in str(findings[0])
+
+
+@pytest.mark.parametrize("layer", ["dense", "batch_norm", "dropout"])
+def test_check_finds_nothing_in_a_correct_loop(layer):
+    model, opt, step = keras_step(layer, "adam_schedule")
+    assert ms.tf2.check(ms.tf2.fuse(step, STEPS), (X[:STEPS], Y[:STEPS])) == []
+
+
+def test_a_second_trace_is_refused_before_anything_runs():
+    model, opt, step = keras_step("dense", "adam")
+    fused = ms.tf2.fuse(step, STEPS)
+    fused((X[:STEPS], Y[:STEPS]))
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(RuntimeError, match="would trace the fused steps again"):
+        fused((X[:STEPS, :4], Y[:STEPS, :4]))  # another batch size
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+
+def test_a_short_last_block_runs_its_true_length_without_a_retrace():
+    model, opt, step = keras_step("dense", "sgd_momentum")
+    fused = ms.tf2.fuse(step, 3)
+    iterator = iter(tf.data.Dataset.from_tensor_slices((X, Y)))  # 8 elements: 3 + 3 + 2
+    fused(iterator)
+    traces = fused._traces  # (the first call may trace twice: once to create the variables)
+    fused(iterator)
+    with pytest.warns(RuntimeWarning, match="ran 2 of its 3 steps"):
+        last = fused(iterator)
+    assert last["loss"].shape == (2,) and last["iteration"].numpy().tolist() == [7, 8]
+    assert fused._traces == traces
+    with pytest.raises(tf.errors.OutOfRangeError):
+        fused(iterator)
+
+
+def test_a_keras_models_own_train_step():
+    """``fuse(model.train_step, N)``: its optimizer is found as ``self.optimizer``."""
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = build()
+    out = ms.tf2.fuse(model.train_step, STEPS)((X[:STEPS], Y[:STEPS]))
+    reference = build()
+    single = tf.function(reference.train_step)
+    want = [single((X[i], Y[i]))["loss"].numpy() for i in range(STEPS)]
+    assert np.array_equal(out["loss"].numpy(), want)
+    assert out["iteration"].numpy().tolist() == [1, 2, 3, 4]
+    for a, b in zip(model.variables, reference.variables):
+        assert np.array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"steps": 0}, ValueError), ({"steps": 2.5}, ValueError), ({"jit_compile": "yes"}, TypeError),
+])
+def test_bad_arguments(kwargs, error):
+    options = {"steps": 2, **kwargs}
+    with pytest.raises(error):
+        ms.tf2.fuse(lambda batch: tf.constant(0.0), options.pop("steps"), **options)
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        ms.tf2.fuse(tf.constant(1.0), 2)
+    with pytest.raises(ValueError, match="leading dimension of steps=2"):
+        ms.tf2.fuse(lambda batch: tf.reduce_sum(batch), 2)(tf.ones([3, 1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="calls must be an int >= 1"):
+            ms.tf2.verify(lambda batch: tf.reduce_sum(batch), 2, batches=tf.ones([2]), calls=0)
