@@ -28,7 +28,8 @@ from multistep.verify import _max_abs_diff, _same_bits
 __all__ = ["Finding", "Fused", "VerifyReport", "check", "fuse", "verify"]
 
 
-def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None):
+def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strategy=None,
+         reduce="sum"):
     """N calls of ``step_fn`` in one ``tf.function`` call.
 
     Args:
@@ -45,6 +46,13 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None):
         default: the one object with an ``iterations`` variable that ``step_fn`` refers
         to (in its closure, by a global name, or as ``self.optimizer`` of a bound
         method such as a Keras model's ``train_step``); none found, no ``"iteration"``.
+      strategy: a ``tf.distribute`` strategy (MirroredStrategy): each step runs
+        ``strategy.run(step_fn, (batch,))``, the loop staying outside ``strategy.run``;
+        replica r takes its share of each step's batch (the leading, batch dimension
+        split evenly in replica order), and the step's outputs are reduced across the
+        replicas with ``reduce`` (``"sum"``: what a loss scaled by the global batch size,
+        ``tf.nn.compute_average_loss``, adds up to; or ``"mean"``). Without XLA:
+        ``jit_compile=True`` under a strategy is refused.
 
     Returns:
       A ``Fused``: ``fused(batches)`` runs the steps and returns a dict of ``[n]``
@@ -75,15 +83,28 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None):
         raise ValueError(f"steps must be an int >= 1, got {steps!r}.")
     if not isinstance(jit_compile, bool):
         raise TypeError(f"jit_compile must be True or False, got {jit_compile!r}.")
-    return Fused(step_fn, int(steps), jit_compile, check, optimizer or _find_optimizer(step_fn))
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}.")
+    if strategy is not None:
+        if not isinstance(strategy, tf.distribute.Strategy):
+            raise TypeError(f"strategy must be a tf.distribute.Strategy, got {strategy!r}.")
+        if jit_compile:
+            raise ValueError(
+                "ms.tf2.fuse: jit_compile=True under a tf.distribute strategy is refused: one "
+                "XLA program is compiled for one device, and a Keras variable of the second "
+                "replica then fails (InvalidArgumentError: Trying to access resource ... located "
+                "in device ... replica_1). Fuse under the strategy without XLA.")
+    return Fused(step_fn, int(steps), jit_compile, check, optimizer or _find_optimizer(step_fn),
+                 strategy, reduce)
 
 
 class Fused:
     """``fuse``'s result: call it with N steps' batches (see ``fuse``)."""
 
-    def __init__(self, step_fn, steps, jit_compile, check, optimizer):
+    def __init__(self, step_fn, steps, jit_compile, check, optimizer, strategy=None,
+                 reduce="sum"):
         self.step_fn, self.steps, self.jit_compile, self._check = step_fn, steps, jit_compile, check
-        self.optimizer = optimizer
+        self.optimizer, self.strategy, self.reduce = optimizer, strategy, reduce
         self._bodies = []  # the loop body's FuncGraph, from the trace
         self._traces = 0
         self._signature = None  # the batches' TensorSpecs of the first call
@@ -107,7 +128,10 @@ class Fused:
                 f"Python values anew and compile again; keep the batches' structure, shapes "
                 f"and dtypes (a tf.data input's last short block is run without a retrace).")
         traces = self._traces
-        out = self._function(batches, tf.constant(self.steps if count is None else count))
+        count = tf.constant(self.steps if count is None else count)
+        if self.strategy is not None and traces == 0:
+            self._trace_without_creating_variables(batches, count)
+        out = self._function(batches, count)
         if traces and self._traces != traces:  # a retrace not caught above: say so
             raise RuntimeError(f"ms.tf2.fuse: the fused steps were traced again (trace "
                                f"{self._traces}), though the batches' signature did not change.")
@@ -154,22 +178,27 @@ class Fused:
             return {key: value[None] for key, value in first.items()}
         arrays = {key: tf.TensorArray(first[key].dtype, size=self.steps - 1) for key in keys}
 
-        def body(k, arrays):
+        def body(k, count, arrays):
             self._bodies.append(tf.compat.v1.get_default_graph())
             out = self._step(batches, k)
             if sorted(out) != keys:
                 raise ValueError(f"step_fn returned {sorted(out)} in the loop, {keys} at step 1.")
-            return k + 1, {key: arrays[key].write(k - 1, out[key]) for key in keys}
+            return k + 1, count, {key: arrays[key].write(k - 1, out[key]) for key in keys}
 
-        # One iteration at a time: step k+1 reads what step k wrote.
-        k, arrays = tf.while_loop(lambda k, _: k < count, body, (tf.constant(1), arrays),
-                                  maximum_iterations=self.steps - 1, parallel_iterations=1,
-                                  name="fused_steps")
+        # One iteration at a time: step k+1 reads what step k wrote. (count is a loop
+        # variable, not a capture: under a strategy a captured argument went unfed.)
+        k, _, arrays = tf.while_loop(lambda k, count, _: k < count, body,
+                                     (tf.constant(1), count, arrays),
+                                     maximum_iterations=self.steps - 1, parallel_iterations=1,
+                                     name="fused_steps")
         return {key: tf.concat([first[key][None], arrays[key].stack()], 0) for key in keys}
 
     def _step(self, batches, k):
         batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
-        returned = self.step_fn(batch)
+        if self.strategy is None:
+            returned = self.step_fn(batch)
+        else:
+            returned = self._replicated(batch)
         out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
         if "loss" not in out:
             raise ValueError(f"step_fn must return a loss or a dict with a 'loss'; got keys "
@@ -181,6 +210,54 @@ class Fused:
         if self.optimizer is not None and "iteration" not in out:
             out["iteration"] = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
         return out
+
+    def _trace_without_creating_variables(self, batches, count):
+        """Under a strategy, trace first and refuse a step that creates variables: made in
+        the fused function's first trace, a replica's variable went unfed at run time."""
+        created = []
+
+        def creator(next_creator, **kwargs):
+            created.append(kwargs.get("name"))
+            return next_creator(**kwargs)
+
+        failed = None
+        with tf.variable_creator_scope(creator):
+            try:
+                self._function.get_concrete_function(batches, count)
+            except Exception as error:  # (TensorFlow's own: an UnliftableError, say)
+                if not created:
+                    raise
+                failed = error
+        if created:
+            raise ValueError(
+                f"ms.tf2.fuse under {type(self.strategy).__name__}: step_fn created variables "
+                f"on its first call ({', '.join(map(str, created[:3]))}"
+                f"{', ...' if len(created) > 3 else ''}), which a fused function cannot do under "
+                f"a strategy. Create them first, under strategy.scope(): build the model "
+                f"(model.build(...) or one call) and the optimizer "
+                f"(optimizer.build(model.trainable_variables)).") from failed
+
+    def _replicated(self, batch):
+        """``strategy.run(step_fn)`` on this step's batch, replica r taking its share; the
+        outputs reduced across the replicas."""
+        strategy = self.strategy
+        replicas = strategy.num_replicas_in_sync
+
+        def share(context):
+            r = context.replica_id_in_sync_group
+
+            def part(t):
+                size = t.shape[0]
+                if size is None or size % replicas:
+                    raise ValueError(f"ms.tf2.fuse: a step's batch of {size} cannot be split "
+                                     f"evenly over {replicas} replicas.")
+                return t[r * (size // replicas):(r + 1) * (size // replicas)]
+            return tf.nest.map_structure(part, batch)
+
+        per_replica = strategy.run(
+            self.step_fn, (strategy.experimental_distribute_values_from_function(share),))
+        how = tf.distribute.ReduceOp.SUM if self.reduce == "sum" else tf.distribute.ReduceOp.MEAN
+        return tf.nest.map_structure(lambda v: strategy.reduce(how, v, axis=None), per_replica)
 
     def findings(self):
         """The traps found in the traced loop (``check``); needs a call or a trace first."""

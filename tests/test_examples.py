@@ -21,6 +21,7 @@ EXPECTED = {  # a line each example must print: evidence it did its job
     "two_replicas.py": "max |Δ| = 0 (bitwise equal), atol = 0: OK",
     "two_workers.py": "workers 0 and 1: max |Δ| = 0 (bitwise equal)",  # exit 1 unless all are
     "tf2_fuse.py": "max |Δ| = 0 (bitwise equal), atol = 0: OK",
+    "keras_step_history.py": "12 steps in 2 executions; per-step loss:",
     "sparse_embedding_clipping.py": "ms.clip_by_value(-4, 4), sparse: rows after one step [4. 0. 1.]",
 }
 

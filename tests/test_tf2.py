@@ -243,3 +243,85 @@ def test_bad_arguments(kwargs, error):
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match="calls must be an int >= 1"):
             ms.tf2.verify(lambda batch: tf.reduce_sum(batch), 2, batches=tf.ones([2]), calls=0)
+
+
+MIRRORED = """
+import numpy as np, tensorflow as tf, keras
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import multistep as ms
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.RandomState(0)
+X = rng.randn(8, 8, 4).astype(np.float32)
+Y = rng.randint(0, 3, (8, 8)).astype(np.int32)
+
+
+def build(ready=True):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+        opt = keras.optimizers.Adam(0.01)
+        if ready:
+            opt.build(model.trainable_variables)
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def step(batch):
+        x, y = batch
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(xent(y, model(x, training=True)),
+                                              global_batch_size=8)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return model, opt, step
+
+
+model, opt, step = build()
+fused = ms.tf2.fuse(step, 4, strategy=strategy)
+got = np.concatenate([fused((X[:4], Y[:4]))["loss"].numpy(), fused((X[4:], Y[4:]))["loss"].numpy()])
+got_values = [v.numpy() for v in model.variables + opt.variables]
+
+reference, ref_opt, ref_step = build()  # a hand-written single strategy.run step
+
+
+@tf.function
+def single(x, y):
+    def share(context):  # replica r: rows 4r..4r+3 of the step's batch of 8
+        r = context.replica_id_in_sync_group
+        return (x[r * 4:(r + 1) * 4], y[r * 4:(r + 1) * 4])
+    per_replica = strategy.run(ref_step, (strategy.experimental_distribute_values_from_function(share),))
+    return strategy.reduce("SUM", per_replica, axis=None)
+
+
+want = np.array([single(X[i], Y[i]).numpy() for i in range(8)])
+assert np.array_equal(got, want), (got, want)
+for a, b in zip(got_values, [v.numpy() for v in reference.variables + ref_opt.variables]):
+    assert np.array_equal(a, b)
+model, opt, step = build(ready=False)
+try:
+    ms.tf2.fuse(step, 4, strategy=strategy)((X[:4], Y[:4]))
+except ValueError as error:
+    assert "optimizer.build(model.trainable_variables)" in str(error), error
+else:
+    raise AssertionError("a step creating variables under a strategy was not refused")
+print("bitwise")
+"""
+
+
+def test_under_a_mirrored_strategy_bitwise_the_single_strategy_run_steps():
+    """Two logical CPUs (set before TensorFlow starts: a subprocess); each step's batch
+    split between the replicas, the loop outside strategy.run."""
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", MIRRORED], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0 and "bitwise" in result.stdout, result.stderr[-3000:]
+
+
+def test_jit_under_a_strategy_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="jit_compile=True under a tf.distribute strategy"):
+        ms.tf2.fuse(lambda batch: batch, 2, jit_compile=True,
+                    strategy=tf.distribute.get_strategy())

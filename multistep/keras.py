@@ -1,0 +1,126 @@
+"""Keras 3: every inner step of ``fit(steps_per_execution=N)``.
+
+With ``steps_per_execution=N`` Keras runs N steps per call of its compiled train function
+and calls the callbacks once per call, with the logs of the last step. ``StepHistory``
+keeps what each inner step's logs were: its ``train_step`` writes them into ``[N]``
+buffers inside the compiled execution, and the callback reads the buffers once per
+execution.
+"""
+
+import keras
+import tensorflow as tf
+
+__all__ = ["StepHistory"]
+
+
+class StepHistory(keras.callbacks.Callback):
+    """Every inner step's loss and metrics under ``model.fit(..., steps_per_execution=N)``.
+
+    Why a callback: ``fit`` stays the user's own (its data handling, distribution,
+    callbacks and checkpoints); the callback only wraps ``model.train_step`` so that each
+    step also writes its logs (the values Keras would report after that step with
+    ``steps_per_execution=1``) into an ``[N]`` buffer, which it reads once per execution.
+    Training is unchanged: the writes read the logs, and nothing reads the buffers inside.
+
+    Args:
+      callbacks: Keras callbacks whose ``on_train_batch_end(step, logs)`` is called once per
+        inner step, with the step's true index (0-based, counted over the whole fit) and
+        that step's logs; and their ``on_train_begin`` and ``on_train_end``.
+      log_dir: if given, a TensorBoard scalar per inner step and log key, at its true
+        step number (1-based: the optimizer's iteration after it), under ``log_dir``.
+
+    Attributes:
+      history: key -> list of every inner step's value, in order.
+      steps: the true step numbers (1-based) of those values.
+
+    Example:
+      >>> import keras, numpy as np, multistep as ms
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      >>> model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+      >>> steps = ms.keras.StepHistory()
+      >>> _ = model.fit(np.ones((32, 2)), np.ones((32, 1)), batch_size=4, epochs=1, verbose=0,
+      ...               callbacks=[steps])
+      >>> steps.steps
+      [1, 2, 3, 4, 5, 6, 7, 8]
+      >>> len(steps.history["loss"])
+      8
+    """
+
+    def __init__(self, callbacks=(), log_dir=None):
+        super().__init__()
+        self.callbacks = list(callbacks)
+        self.log_dir = log_dir
+        self.history, self.steps = {}, []
+        self._buffers = self._count = None
+        self._read = 0  # steps read so far
+        self._writer = None
+        self._original = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        for callback in self.callbacks:
+            callback.set_model(model)
+        if self._original is not None:
+            return
+        self._original = original = model.train_step
+        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+
+        def train_step(data):
+            logs = original(data)
+            scalars = {k: v for k, v in logs.items() if tf.convert_to_tensor(v).shape.rank == 0}
+            if self._buffers is None:  # at the first trace: eager variables, not the trace's
+                with tf.init_scope():
+                    self._buffers = {k: tf.Variable(tf.zeros([spe], tf.float32), trainable=False,
+                                                    name=f"step_history_{k}")
+                                     for k in scalars}
+                    self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                              name="step_history_count")
+            at = tf.math.floormod(self._count, spe)
+            writes = [self._buffers[k].scatter_nd_update(
+                [[at]], [tf.cast(v, tf.float32)]) for k, v in scalars.items() if k in self._buffers]
+            with tf.control_dependencies(writes):
+                counted = self._count.assign_add(1)
+            with tf.control_dependencies([counted]):
+                return {k: tf.identity(v) for k, v in logs.items()}
+
+        model.train_step = train_step
+        model.train_function = None  # made again, with this train_step
+
+    def on_train_begin(self, logs=None):
+        if self.log_dir is not None and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        for callback in self.callbacks:
+            callback.on_train_begin(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._buffers is None:
+            return
+        count = int(self._count.numpy())
+        spe = next(iter(self._buffers.values())).shape[0]
+        values = {k: v.numpy() for k, v in self._buffers.items()}
+        new = count - self._read
+        for j in range(new):
+            step = self._read + j  # 0-based over the whole fit
+            slot = step % spe
+            step_logs = {k: float(values[k][slot]) for k in values}
+            for k, v in step_logs.items():
+                self.history.setdefault(k, []).append(v)
+            self.steps.append(step + 1)
+            for callback in self.callbacks:
+                callback.on_train_batch_end(step, step_logs)
+            if self._writer is not None:
+                with self._writer.as_default():
+                    for k, v in step_logs.items():
+                        tf.summary.scalar(k, v, step=step + 1)
+        self._read = count
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()
+        for callback in self.callbacks:
+            callback.on_train_end(logs)
+        # The model's own train_step again (the next fit wraps it anew).
+        if self._original is not None and "train_step" in vars(self.model):
+            del self.model.train_step
+            self.model.train_function = None
+        self._original = None
