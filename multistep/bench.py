@@ -304,7 +304,7 @@ METHODS = {
     "jax fori_loop": _jax_method(losses=False),
     "jax fori_loop+losses": _jax_method(losses=True),  # like ms.unroll: the [N] losses too
 }
-BASELINES = ("sess.run x N", "make_callable x N")
+BASELINES = ("sess.run x N", "make_callable x N", "tf2 tf.function x N")
 # Unrolled XLA compiles N copies of the step; past this N the compile takes minutes.
 MAX_UNROLLED_XLA_STEPS = 100
 

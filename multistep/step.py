@@ -332,8 +332,8 @@ def _opaque_true():
     In one XLA program, step k reads what step k-1 assigned, and XLA's algebraic
     simplifier reaches across steps: Adam's ``beta1_power * beta1``, step after step,
     became a multiplication by a folded constant, and the unrolled program drifted from
-    the single-step program (``beta1_power`` 5e-6 off after 30 steps, the blobs model
-    7e-7). Each apply in a cond, as ``nonfinite="raise"`` and ``"skip"`` put it, is a
+    the single-step program (the blobs model with Adam: ``beta1_power`` 5.2e-6 off after
+    30 steps). Each apply in a cond, as ``nonfinite="raise"`` and ``"skip"`` put it, is a
     computation of its own that the simplifier does not fuse with the next step's; the
     predicate passes an optimization barrier so that XLA cannot fold the cond away."""
     [true] = gen_xla_ops.xla_optimization_barrier([tf.constant(True)], name="opaque_true")

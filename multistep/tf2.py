@@ -74,7 +74,7 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
       ...     return loss
       >>> fused = ms.tf2.fuse(step, steps=3)
       >>> out = fused(tf.ones([3]))
-      >>> out["loss"].numpy().tolist(), out["iteration"].numpy().tolist(), w.numpy()
+      >>> out["loss"].numpy().tolist(), out["iteration"].numpy().tolist(), float(w.numpy())
       ([1.0, 0.25, 0.0625], [1, 2, 3], 0.125)
     """
     if not callable(step_fn):
