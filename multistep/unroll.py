@@ -221,8 +221,10 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         steps 2..N (graph size independent of N; resource variables only).
       xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
         called from the graph; step 1 makes the variables and slots in the graph from
-        inside it). Results then match single steps within floating-point tolerance,
-        not bitwise: XLA fuses and reorders the arithmetic. XLA compiles CheckNumerics
+        inside it). Bitwise equal to N runs of the single-step XLA program (``steps=1,
+        xla=True``; ``ms.verify(..., xla=True)`` checks it); against plain single steps
+        within floating-point tolerance, not bitwise: XLA fuses and reorders the
+        arithmetic. XLA compiles CheckNumerics
         to nothing, so there ``nonfinite="raise"`` halts the program at the first
         non-finite step (it and the steps after it apply nothing) and an ``Assert``
         after the program raises ``InvalidArgumentError`` naming the step; UPDATE_OPS
