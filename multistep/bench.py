@@ -189,7 +189,9 @@ def _jax_steps(problem, steps, timing, *, losses):
     return timing.per_step_us(run_steps, steps)
 
 
-def _tf2_method(jit):
+def _tf2_method(jit, losses=False):
+    """A hand-written ``tf.range`` loop in one ``tf.function``; with ``losses``, each
+    step's loss kept in an ``[N]`` TensorArray too, as ``ms.unroll`` returns them."""
     def method(problem, steps, timing):
         weights = [(tf.Variable(w), tf.Variable(b)) for w, b in _initial_values(problem)]
         flat = [v for pair in weights for v in pair]
@@ -198,10 +200,18 @@ def _tf2_method(jit):
 
         @tf.function(jit_compile=jit)
         def train():
-            for _ in tf.range(steps):
-                optimizer.minimize(lambda: _forward(problem, weights, x), var_list=flat)
+            kept = tf.TensorArray(tf.float32, size=steps if losses else 0)
+            for k in tf.range(steps):
+                if losses:  # minimize's own steps, its loss kept
+                    with tf.GradientTape() as tape:
+                        value = _forward(problem, weights, x)
+                    optimizer.apply_gradients(zip(tape.gradient(value, flat), flat))
+                    kept = kept.write(k, value)
+                else:
+                    optimizer.minimize(lambda: _forward(problem, weights, x), var_list=flat)
+            return kept.stack() if losses else tf.constant(0.0)
 
-        return timing.per_step_us(train, steps)
+        return timing.per_step_us(lambda: train().numpy(), steps)
     return method
 
 
@@ -295,6 +305,7 @@ METHODS = {
     "while_loop+xla": _v1_method("while_loop", True),
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
+    "tf.function+jit+losses": _tf2_method(True, losses=True),
     "tf2 tf.function x N": _tf2_single_method(False),
     "tf2 tf.function+jit x N": _tf2_single_method(True),
     "ms.tf2.fuse": _tf2_fused_method(False),

@@ -127,18 +127,21 @@ class Fused:
                 f"(first traced for {self._signature}). A second trace would freeze step_fn's "
                 f"Python values anew and compile again; keep the batches' structure, shapes "
                 f"and dtypes (a tf.data input's last short block is run without a retrace).")
-        traces = self._traces
         count = tf.constant(self.steps if count is None else count)
-        if self.strategy is not None and traces == 0:
-            self._trace_without_creating_variables(batches, count)
+        if self._traces == 0:  # trace (and check) before anything runs
+            if self.strategy is not None:
+                self._trace_without_creating_variables(batches, count)
+            else:
+                self._function.get_concrete_function(batches, count)
+            if self._check:
+                findings = [f for f in self.findings() if f.stale]
+                if findings:
+                    raise lint.StaleForwardError(str(findings[0]))
+        traces = self._traces
         out = self._function(batches, count)
-        if traces and self._traces != traces:  # a retrace not caught above: say so
+        if self._traces != traces:  # a retrace not caught above: say so
             raise RuntimeError(f"ms.tf2.fuse: the fused steps were traced again (trace "
                                f"{self._traces}), though the batches' signature did not change.")
-        if self._check and traces == 0:
-            findings = [f for f in self.findings() if f.stale]
-            if findings:
-                raise lint.StaleForwardError(str(findings[0]))
         return out
 
     def _call_iterator(self, iterator):

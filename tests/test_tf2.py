@@ -118,6 +118,7 @@ def test_check_finds_a_stale_gradient_and_fuse_refuses_it():
     w, step = stale_gradient_step()
     with pytest.raises(ms.StaleForwardError, match="before the loop"):
         ms.tf2.fuse(step, STEPS)(tf.ones([STEPS, 2]))
+    assert w.numpy().tolist() == [1.0, -2.0]  # refused before anything ran
     # Had it run: every step applies the first gradient, 2 w0, so w = w0 - 4 * 0.1 * 2 w0
     # = 0.2 w0, where 4 real steps give w0 * (1 - 0.2)^4 (exact in float32: both are
     # products and differences of short binary fractions... within one rounding each).
