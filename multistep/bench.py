@@ -303,6 +303,7 @@ METHODS = {
     "unrolled+xla": _v1_method("unrolled", True),
     "while_loop": _v1_method("while_loop", False),
     "while_loop+xla": _v1_method("while_loop", True),
+    "auto": _v1_method("auto", False),  # mode="auto": what it picks for the problem
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
     "tf.function+jit+losses": _tf2_method(True, losses=True),

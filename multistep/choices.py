@@ -6,7 +6,7 @@ can list them without importing TensorFlow.
 
 __all__ = ["BENCH_METHODS", "BENCH_PROBLEMS", "MODES", "OPTIMIZERS"]
 
-MODES = ("unrolled", "while_loop")
+MODES = ("unrolled", "while_loop", "auto")
 
 # Short name -> (tf.compat.v1.train class, keyword arguments beside the learning rate).
 OPTIMIZERS = {
@@ -26,7 +26,7 @@ OPTIMIZERS = {
 BENCH_PROBLEMS = ("blobs", "mlp")
 # The methods multistep.bench times, in its order (multistep.bench.METHODS has the code).
 BENCH_METHODS = ("sess.run x N", "make_callable x N", "unrolled", "unrolled+xla", "while_loop",
-                 "while_loop+xla", "tf.function", "tf.function+jit", "tf.function+jit+losses",
+                 "while_loop+xla", "auto", "tf.function", "tf.function+jit", "tf.function+jit+losses",
                  "tf2 tf.function x N",
                  "tf2 tf.function+jit x N", "ms.tf2.fuse", "ms.tf2.fuse+jit", "keras spe=N",
                  "keras spe=N+jit", "jax fori_loop", "jax fori_loop+losses")

@@ -96,8 +96,10 @@ def _parser():
     blobs.add_argument("--max-steps", type=_positive, default=64,
                        help="with --steps auto: the most steps a run may make (default 64)")
     blobs.add_argument("--runs", type=_positive, default=12, help="N-step runs (default 12)")
-    blobs.add_argument("--mode", choices=MODES, default="unrolled",
-                       help="unrolled (N copies of the step) or while_loop (one loop body, for large N)")
+    blobs.add_argument("--mode", choices=MODES, default="auto",
+                       help="auto (default: while_loop under XLA where the step compiles, else "
+                            "unrolled), unrolled (N copies of the step) or while_loop (one loop "
+                            "body, for large N)")
     blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
@@ -116,7 +118,7 @@ def _parser():
     blobs.add_argument("--replicas", type=_positive, default=1, metavar="R",
                        help="train under MirroredStrategy over R logical CPU devices, each "
                             "replica its share of the points, gradients all-reduced every step "
-                            "(default 1: no strategy); needs --mode unrolled")
+                            "(default 1: no strategy); needs --mode unrolled or auto")
     blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
                        help="TensorBoard runs fused_N and single are (re)written here "
                             "(default tensorboard_logs/blobs)")
@@ -217,8 +219,9 @@ def _blobs(args):
     if (args.rule is None) != (args.modulus is None):
         print("multistep blobs: --rule compact-sgd and --modulus B go together", file=sys.stderr)
         return 2
-    if args.replicas > 1 and (args.mode != "unrolled" or args.steps == "auto"):
-        print("multistep blobs: --replicas needs --mode unrolled and a number of --steps (under a "
+    if args.replicas > 1 and (args.mode == "while_loop" or args.steps == "auto"):
+        print("multistep blobs: --replicas needs --mode unrolled (or auto, which then picks it) "
+              "and a number of --steps (under a "
               "strategy each step's all-reduce is a merge_call, which cannot run in a loop body)",
               file=sys.stderr)
         return 2
@@ -238,8 +241,13 @@ def _blobs(args):
         n = _auto_steps(build, args.target_seconds, args.max_steps)
     else:
         n = args.steps
+    mode = args.mode
+    if mode == "auto":  # what it chooses for this model, and why
+        with tf.Graph().as_default():
+            chosen = build(n)[0]
+        mode = f"auto: {chosen.mode}" + (f" ({chosen.why})" if chosen.why else "")
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
-          f"dense 2->2 from ones; {optimizer}; mode={args.mode}"
+          f"dense 2->2 from ones; {optimizer}; mode={mode}"
           + "".join(f"; {t.__name__}" for t in transforms))
     if args.replicas > 1:
         local = " (the transforms see each replica's own, before)" if transforms else ""
@@ -260,13 +268,17 @@ def _blobs(args):
     correct = int((blobs.predict(report.final_values, x) == y).sum())
     print(f"accuracy after {args.runs * n} steps: {correct / len(y):.3f} ({correct}/{len(y)})")
     runs = {f"fused_{n}": (n, report.fused_losses), "single": (1, report.single_losses)}
+    # An XLA program is one node in TensorBoard's graph: under auto the graph written is the
+    # same steps built unrolled, N readable blocks (said below).
+    drawn = functools.partial(build, mode="unrolled") if args.mode == "auto" else build
     for run, (steps, losses) in runs.items():
         graph = tf.Graph()
         with graph.as_default():
-            build(steps)
+            drawn(steps)
         summaries.write_run(os.path.join(args.logdir, run), graph, {"loss": losses})
-    print(f"TensorBoard runs {', '.join(runs)} (the {n}-step graph and a loss point per step) "
-          f"written to {args.logdir}; view them with: tensorboard --logdir {args.logdir}")
+    shown = ", built unrolled: an XLA program is one node there," if args.mode == "auto" else ""
+    print(f"TensorBoard runs {', '.join(runs)} (the {n}-step graph{shown} and a loss point per "
+          f"step) written to {args.logdir}; view them with: tensorboard --logdir {args.logdir}")
     return 0 if report.ok else 1
 
 

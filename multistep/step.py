@@ -28,7 +28,7 @@ from tensorflow.python.ops import variable_scope as variable_scope_lib  # the sc
 from multistep import lint, transforms
 
 __all__ = ["CreationGuard", "Step", "check_capturable", "ensure_variable_stores",
-           "learning_rate_of"]
+           "in_replica_context", "learning_rate_of"]
 
 
 @dataclasses.dataclass
@@ -53,6 +53,7 @@ class Step:
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     names: object = None  # the name counters as step 1 found them
     tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
+    rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -76,7 +77,7 @@ class Step:
             if callable(args):
                 with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
                     args = args()
-            with (self.guard.scope("forward"), _reuse_variables(not first),
+            with (self.guard.scope("forward"), _reuse_variables(not first or self.rebuild),
                   contextlib.nullcontext() if first else self.names.restored(),
                   tape or contextlib.nullcontext()):
                 if tape is not None:
@@ -118,16 +119,16 @@ class Step:
         if self.record:
             with self.guard.scope("record"):
                 outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-        if self.nonfinite == "raise" and self.halted is None:
+        if self.nonfinite == "raise" and self.halted is None and not self.guard.lift:
             with self.guard.scope("check"):
                 loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
-        elif self.nonfinite == "raise":  # compiled (XLA): halt here, raise after the program
+        elif self.nonfinite == "raise" and self.halted is not None:  # compiled: halt, raise after
             with self.guard.scope("check"):
                 finite, otherwise = self._halt_unless_finite(k, loss, grads_and_vars)
         elif self.nonfinite == "skip":
             with self.guard.scope("check"):
                 finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
-        elif self.guard.lift:  # nonfinite="ignore", compiled (XLA)
+        elif self.guard.lift:  # compiled (XLA), nonfinite="ignore" (or mode="auto"'s trial)
             finite, otherwise = _opaque_true(), tf.no_op
         with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
             if self.nonfinite == "skip" or self.guard.lift:
@@ -143,7 +144,7 @@ class Step:
         creator, named under the first replica's name scope: there step 1's apply runs
         in the scope ``ms.unroll`` was called in, so they get a single step's names (its
         update ops then sit beside ``step_1``, not in it). Elsewhere: the current scope."""
-        if not (isinstance(k, int) and k == 1 and _in_replica_context()):
+        if not (isinstance(k, int) and k == 1 and in_replica_context()):
             return contextlib.nullcontext()
         return self.guard.graph.name_scope(self.guard.base + "/" if self.guard.base else "")
 
@@ -277,6 +278,11 @@ class Step:
 
         return tf.cond(finite, apply, skip, name=_IF_FINITE).op
 
+    @staticmethod
+    def names_now():
+        """The layer and variable-scope name counters now (``.write()`` puts them back)."""
+        return _NameCounters.read()
+
     def state(self):
         """The variables the steps train and count: weights, optimizer slots, global step,
         skip counter (``written`` has every variable a step writes, these and others)."""
@@ -369,7 +375,7 @@ def _as_op(value):
     return value.op
 
 
-def _in_replica_context():
+def in_replica_context():
     """Inside ``call_for_each_replica`` of a ``tf.distribute`` strategy."""
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
@@ -384,7 +390,7 @@ def _other_replicas_ops(ops, scope):
     under its step's name ``scope`` (``replica_1/multistep/step_2/``, ...), and the
     all-reduce and the variables' updates sit under the first replica's apply.
     Outside a replica context: none."""
-    if not _in_replica_context():
+    if not in_replica_context():
         return set()
     made = set(ops)
     strategy = tf.distribute.get_strategy()
@@ -400,7 +406,7 @@ def _every_replica(end):
     each replica then starts after this step of all of them, as the next ``sess.run`` of
     single distributed steps does (their all-reduce reads every replica's writes).
     Outside a replica context: ``end``."""
-    if not _in_replica_context():
+    if not in_replica_context():
         return end
 
     def merge(strategy, ends):

@@ -24,7 +24,7 @@ import weakref
 
 import tensorflow as tf
 
-from multistep import lint, transforms
+from multistep import auto, lint, transforms
 from multistep import step as step_lib
 from multistep.inputs import Inputs
 from multistep.choices import MODES
@@ -59,6 +59,10 @@ class Unrolled:
         ``local_variables_initializer`` (which MonitoredTrainingSession runs)
         initialises it; until then the loop makes ``steps`` steps. Unrolled
         mode: None (the graph holds exactly ``steps`` copies of the step).
+      mode: what was built: ``"unrolled"``, ``"while_loop"``, ``"unrolled+xla"`` or
+        ``"while_loop+xla"`` (with ``mode="auto"``, what it chose).
+      why: with ``mode="auto"``, why it did not choose ``"while_loop+xla"`` (the op
+        without an XLA kernel, the ref variables, ...); else None.
     """
 
     train_op: tf.Operation
@@ -70,6 +74,8 @@ class Unrolled:
     global_step: object = None
     skipped_steps: object = None
     steps_per_run: object = None
+    mode: str = "unrolled"
+    why: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
@@ -218,7 +224,11 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
       mode: ``"unrolled"``: N copies of the step, chained by control
         dependencies (the graph grows with N). ``"while_loop"``: step 1, which
         creates the variables and slots, then one ``tf.while_loop`` body for
-        steps 2..N (graph size independent of N; resource variables only).
+        steps 2..N (graph size independent of N; ref variables need v1 control flow).
+        ``"auto"``: ``"while_loop"`` with XLA (``xla`` is then ignored) when step 1
+        compiles under XLA, tried at build time; else ``"unrolled"`` without XLA, and
+        ``Unrolled.why`` says why (an op without an XLA kernel, ref variables, a
+        ``tf.data`` iterator input, a replica context). ``Unrolled.mode`` says which.
       xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
         called from the graph; step 1 makes the variables and slots in the graph from
         inside it). Bitwise equal to N runs of the single-step XLA program (``steps=1,
@@ -319,7 +329,13 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         label = step.label = scope.rstrip("/")
         if nonfinite == "skip":
             step.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
-        feed = Inputs(inputs, steps, xla=xla)
+        feed = Inputs(inputs, steps, xla=xla and mode != "auto")
+        why = None
+        if mode == "auto" and _FORCED_XLA:  # ms.verify(..., xla=True): compiled, in a loop
+            mode = "while_loop"
+        elif mode == "auto":
+            mode, xla, why = auto.choose(step, feed, label,
+                                         in_replica_context=step_lib.in_replica_context())
         run_length = (_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
         count = run_length.read if run_length is not None else None
@@ -388,7 +404,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,
-                    _run_length=run_length)
+                    mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length)
 
 
 def _chain(step, feed, steps, end, watched, label, first_seconds):

@@ -346,3 +346,41 @@ def test_xla_loop_runs_shortened_by_steps_per_run_match_the_single_step_program(
     assert fused["global_step"] == single["global_step"] == 9
     for name in single:
         assert np.array_equal(fused[name], single[name]), name
+
+
+def auto_build(kind):
+    """build_fn for mode="auto": a dense layer; ``kind`` adds what keeps XLA out."""
+    def build_it(steps):
+        def loss_fn(*batch):
+            x = batch[0] if batch else X
+            w = V1.get_variable("w", [2, 2], initializer=V1.ones_initializer(),
+                                use_resource=kind != "ref")
+            logits = tf.matmul(x, w)
+            if kind == "py_function":
+                logits = tf.py_function(lambda t: t, [logits], tf.float32)
+                logits.set_shape([50, 2])
+            return xent(logits)
+
+        inputs = None
+        if kind == "tf.data":
+            inputs = V1.data.make_one_shot_iterator(
+                tf.data.Dataset.from_tensors((X,)).repeat())
+        return ms.unroll(loss_fn, V1.train.AdamOptimizer(0.1), steps, mode="auto",
+                         inputs=inputs), {}
+    return build_it
+
+
+@pytest.mark.parametrize("kind,mode,why", [
+    ("dense", "while_loop+xla", None),
+    ("py_function", "unrolled", "op type 'EagerPyFunc' (e.g. 'forward/EagerPyFunc') has no XLA kernel"),
+    ("ref", "unrolled", "'w' is a ref variable, which XLA cannot compile"),
+    ("tf.data", "unrolled", "XLA does not compile IteratorGetNext"),
+])
+def test_auto_compiles_where_it_can_and_says_why_not(kind, mode, why):
+    with tf.Graph().as_default():
+        unrolled, _ = auto_build(kind)(4)
+    assert unrolled.mode == mode
+    assert (unrolled.why is None) if why is None else (why in unrolled.why), unrolled.why
+    # Whatever it chose, bitwise against its single step (built the same way).
+    report = ms.verify(auto_build(kind), steps=4, runs=2)
+    assert report.ok and report.bitwise, report.summary()
