@@ -101,9 +101,24 @@ class Unrolled:
                 for closed in [s for s in self._callables if s._closed]:
                     del self._callables[closed]
                 self._callables[session] = session.make_callable(self.losses)
+                if self.mode == "unrolled+xla" and self.steps > UNROLLED_XLA_WARN_STEPS:
+                    return self._first_compiled_run(self._callables[session])
             return self._callables[session]()
         except tf.errors.OutOfRangeError as error:
             raise InputExhaustedError(self._exhausted_message(session, error), error) from error
+
+    def _first_compiled_run(self, call):
+        """The first run of many unrolled XLA steps, timed: its compile grows with N."""
+        started = time.perf_counter()
+        losses = call()
+        seconds = time.perf_counter() - started
+        warnings.warn(
+            f"{self.name}: the first run of {self.steps} unrolled XLA steps took {seconds:.1f} s "
+            f"({seconds / self.steps * 1e3:.0f} ms a step), most of it XLA compiling "
+            f"{self.steps} copies of the step. mode='while_loop' with xla=True (or "
+            f"mode='auto') compiles one loop body whatever N, with the same results.",
+            RuntimeWarning, stacklevel=3)
+        return losses
 
     def set_steps_per_run(self, session, n):
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop mode only.
@@ -164,6 +179,7 @@ NONFINITE = ("raise", "skip", "ignore")
 UPDATE_OPS = (True, False, "all")
 GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 SLOW_BUILD_SECONDS = 10.0  # an unrolled build predicted to take longer gets a warning
+UNROLLED_XLA_WARN_STEPS = 32  # past this N, Unrolled.run reports unrolled XLA's compile time
 RECORDS = ("grad_norm", "learning_rate")
 GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
@@ -360,7 +376,9 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             if steps == 1:
                 later, last = {}, end
             elif mode == "while_loop":
-                later, last = _loop(step, feed, steps, end, watched, label, count, run_length.done)
+                chunk = CHUNK if xla and steps - 1 > CHUNK else None
+                later, last = _loop(step, feed, steps, end, watched, label, count,
+                                    run_length.done, chunk=chunk)
             else:
                 later, last = _chain(step, feed, steps, end, watched, label, step_seconds)
             with tf.control_dependencies([last]):
@@ -423,13 +441,13 @@ def _chain(step, feed, steps, end, watched, label, first_seconds):
     return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end
 
 
-def _loop(step, feed, steps, after, watched, label, count, done):
+def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
     """Steps 2..count as one ``tf.while_loop`` body (``count`` <= ``steps``, read at run
     time); the body reads state after the previous apply. ``done``: None, or a variable
     the loop sets to the number of steps ended so far (for InputExhaustedError)."""
-    bodies = []
+    bodies, around = [], []
 
-    def body(i, arrays):
+    def body(i, arrays, offset=0):
         bodies.append(tf.compat.v1.get_default_graph())
         out, end = step.build(i + 1, lambda: feed.args(i), deps=[i])
         with tf.control_dependencies([end]):
@@ -437,7 +455,13 @@ def _loop(step, feed, steps, after, watched, label, count, done):
             with tf.control_dependencies(ended):
                 # A list, as the loop variables are given: v1 control flow (disable_v2_behavior)
                 # checks that the body returns the same structure, list against tuple.
-                return [i + 1, {key: arrays[key].write(i - 1, out[key]) for key in arrays}]
+                return [i + 1, {key: arrays[key].write(i - 1 - offset, out[key])
+                                for key in arrays}]
+
+    def running(i):
+        if step.halted is None:
+            return i < count
+        return tf.logical_and(i < count, tf.equal(step.halted.read_value()[0], 0))
 
     keys = ["loss", *step.record]
     graph = tf.compat.v1.get_default_graph()
@@ -446,16 +470,54 @@ def _loop(step, feed, steps, after, watched, label, count, done):
         start = [] if done is None else [done.assign(1, read_value=False)]  # step 1 ended
         with tf.control_dependencies(start):
             first = tf.constant(1) if done is None else tf.identity(1)
-        i, arrays = tf.while_loop(
-            lambda i, _: i < count if step.halted is None else tf.logical_and(
-                i < count, tf.equal(step.halted.read_value()[0], 0)), body,
-            [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
-            parallel_iterations=1, maximum_iterations=steps - 1, name="body")
+        if chunk is None:
+            i, arrays = tf.while_loop(
+                lambda i, _: running(i), body,
+                [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
+                parallel_iterations=1, maximum_iterations=steps - 1, name="body")
+            values = {key: array.stack() for key, array in arrays.items()}
+        else:
+            i, values = _chunked(body, running, first, keys, steps - 1, chunk, around)
     # v2 control flow: a function body; v1 (disable_v2_behavior): the loop's ops, in this graph.
     body = bodies[0] if bodies[0] is not graph else graph.get_operations()[first_op:]
     lint.check_captures(body, watched, name=label)
+    for outer in around:  # chunked: what the loop over chunks captures from outside it
+        lint.check_captures(outer, watched, name=label)
     # Only the count - 1 written entries: a slice XLA compiles too (bounded dynamic shape).
-    return {key: array.stack()[:i - 1] for key, array in arrays.items()}, i.op
+    return {key: value[:i - 1] for key, value in values.items()}, i.op
+
+
+CHUNK = 128  # per-step outputs under XLA: written in chunks of this many steps
+
+
+def _chunked(body, running, first, keys, total, chunk, around):
+    """Steps 2..count as a loop over chunks of ``chunk`` steps, each an inner loop whose
+    per-step outputs go to a TensorArray of ``chunk`` entries; the chunks stacked after.
+    Under XLA one TensorArray of N entries made every step dearer past 128 entries (its
+    updates copy more as it grows): chunked, a step's cost does not grow with N.
+    Returns (the i after the last step, {key: [chunks * chunk] values})."""
+    chunks = -(-total // chunk)
+
+    def chunk_body(c, i, done):
+        around.append(tf.compat.v1.get_default_graph())
+
+        def inner(j, i, arrays):  # the steps of chunk c: entry i - 1 - c * chunk
+            i_next, arrays_next = body(i, arrays, offset=c * chunk)
+            return [j + 1, i_next, arrays_next]
+
+        _, i, arrays = tf.while_loop(
+            lambda j, i, _: tf.logical_and(j < chunk, running(i)), inner,
+            [tf.constant(0), i, {key: tf.TensorArray(tf.float32, size=chunk,
+                                                     element_shape=[]) for key in keys}],
+            parallel_iterations=1, maximum_iterations=chunk, name="chunk")
+        return [c + 1, i, {key: done[key].write(c, arrays[key].stack()) for key in keys}]
+
+    _, i, done = tf.while_loop(
+        lambda c, i, _: running(i), chunk_body,
+        [tf.constant(0), first, {key: tf.TensorArray(tf.float32, size=chunks,
+                                                     element_shape=[chunk]) for key in keys}],
+        parallel_iterations=1, maximum_iterations=chunks, name="chunks")
+    return i, {key: tf.reshape(array.stack(), [-1]) for key, array in done.items()}
 
 
 _RunLength = collections.namedtuple("_RunLength", "variable value assign read done")

@@ -5,6 +5,7 @@ is in test_unroll.py; here are what the modes add.
 """
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -303,6 +304,9 @@ XLA_CASES = {  # mode, N, optimizer, options
     "while_loop-5-Adam-batch_norm": ("while_loop", 5, V1.train.AdamOptimizer, {"bn": True}),
     "while_loop-17-Adam-ignore": ("while_loop", 17, V1.train.AdamOptimizer,
                                   {"nonfinite": "ignore"}),
+    # past 128 steps the per-step outputs are written in chunks (unroll.CHUNK): 128 + 2
+    "while_loop-131-Adam-chunked": ("while_loop", 131, V1.train.AdamOptimizer,
+                                    {"record": ("grad_norm",)}),
 }
 
 
@@ -326,24 +330,29 @@ def test_xla_verifies_bitwise_against_the_single_step_xla_program(case):
     assert report.plain_max_abs_diff > 0, report.summary()
 
 
-def test_xla_loop_runs_shortened_by_steps_per_run_match_the_single_step_program():
-    """steps_per_run 5, then 3 and 1: each run bitwise the single-step XLA program."""
+@pytest.mark.parametrize("steps,lengths", [(5, (5, 3, 1)), (131, (131, 100, 3))])
+def test_xla_loop_runs_shortened_by_steps_per_run_match_the_single_step_program(steps, lengths):
+    """Runs shortened by steps_per_run, each bitwise the single-step XLA program; 131:
+    the per-step outputs in chunks of 128, a run ending inside the first or second."""
     values = {}
-    for steps in (5, 1):
+    for n_steps in (steps, 1):
         with tf.Graph().as_default():
-            unrolled = ms.unroll(mlp_loss, V1.train.AdamOptimizer(0.05), steps, mode="while_loop",
-                                 xla=True, global_step=V1.train.get_or_create_global_step())
+            unrolled = ms.unroll(mlp_loss, V1.train.AdamOptimizer(0.05), n_steps,
+                                 mode="while_loop", xla=True,
+                                 global_step=V1.train.get_or_create_global_step())
             with V1.Session() as sess:
                 sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
                 losses = []
-                for n in ((5, 3, 1) if steps == 5 else (1,) * 9):
-                    if steps == 5:
+                for n in (lengths if n_steps > 1 else (1,) * sum(lengths)):
+                    if n_steps > 1:
                         unrolled.set_steps_per_run(sess, n)
-                    losses.extend(unrolled.run(sess))
-                values[steps] = ({v.op.name: sess.run(v) for v in V1.global_variables()}, losses)
-    (fused, fused_losses), (single, single_losses) = values[5], values[1]
+                    run = unrolled.run(sess)
+                    assert len(run) == n
+                    losses.extend(run)
+                values[n_steps] = ({v.op.name: sess.run(v) for v in V1.global_variables()}, losses)
+    (fused, fused_losses), (single, single_losses) = values[steps], values[1]
     assert np.array_equal(fused_losses, single_losses)
-    assert fused["global_step"] == single["global_step"] == 9
+    assert fused["global_step"] == single["global_step"] == sum(lengths)
     for name in single:
         assert np.array_equal(fused[name], single[name]), name
 
@@ -384,3 +393,17 @@ def test_auto_compiles_where_it_can_and_says_why_not(kind, mode, why):
     # Whatever it chose, bitwise against its single step (built the same way).
     report = ms.verify(auto_build(kind), steps=4, runs=2)
     assert report.ok and report.bitwise, report.summary()
+
+
+def test_many_unrolled_xla_steps_report_their_compile_time_and_point_at_loop_mode():
+    with tf.Graph().as_default():
+        unrolled = ms.unroll(dense_loss, V1.train.GradientDescentOptimizer(0.1), 33,
+                             mode="unrolled", xla=True)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            with pytest.warns(RuntimeWarning, match=r"the first run of 33 unrolled XLA steps "
+                                                    r"took [\d.]+ s \(\d+ ms a step\).*while_loop"):
+                unrolled.run(sess)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                unrolled.run(sess)  # once per session
