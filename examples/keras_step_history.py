@@ -9,7 +9,6 @@ ms.keras.StepHistory keeps each inner step's, and writes one TensorBoard point p
 import argparse
 
 import keras
-import numpy as np
 from sklearn.datasets import make_blobs
 
 import multistep as ms

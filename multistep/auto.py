@@ -42,7 +42,7 @@ def choose(step, feed, label, *, in_replica_context):
     try:
         graph = tf.function(step_1, jit_compile=True, autograph=False).get_concrete_function().graph
         why = _uncompilable(graph)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError):  # what TensorFlow raises over a ref variable
         ref = [v.op.name for v in step.state() if v.op.type != "VarHandleOp"]
         if not ref:
             raise

@@ -25,7 +25,7 @@ import tensorflow as tf
 from multistep import lint
 from multistep.verify import _max_abs_diff, _same_bits
 
-__all__ = ["Finding", "Fused", "VerifyReport", "check", "fuse", "verify"]
+__all__ = ["Finding", "Fused", "check", "fuse", "verify"]
 
 
 def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strategy=None,

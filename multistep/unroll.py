@@ -444,7 +444,8 @@ def _chain(step, feed, steps, end, watched, label, first_seconds):
 def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
     """Steps 2..count as one ``tf.while_loop`` body (``count`` <= ``steps``, read at run
     time); the body reads state after the previous apply. ``done``: None, or a variable
-    the loop sets to the number of steps ended so far (for InputExhaustedError)."""
+    the loop sets to the number of steps ended so far (for InputExhaustedError).
+    ``chunk``: write the per-step outputs in chunks of that many steps (``_chunked``)."""
     bodies, around = [], []
 
     def body(i, arrays, offset=0):
@@ -493,12 +494,12 @@ CHUNK = 128  # per-step outputs under XLA: written in chunks of this many steps
 def _chunked(body, running, first, keys, total, chunk, around):
     """Steps 2..count as a loop over chunks of ``chunk`` steps, each an inner loop whose
     per-step outputs go to a TensorArray of ``chunk`` entries; the chunks stacked after.
-    Under XLA one TensorArray of N entries made every step dearer past 128 entries (its
-    updates copy more as it grows): chunked, a step's cost does not grow with N.
+    Under XLA one TensorArray of N entries made every step dearer past 128 entries;
+    chunked, a step's cost does not grow with N (the README's bench rows).
     Returns (the i after the last step, {key: [chunks * chunk] values})."""
     chunks = -(-total // chunk)
 
-    def chunk_body(c, i, done):
+    def chunk_body(c, i, kept):
         around.append(tf.compat.v1.get_default_graph())
 
         def inner(j, i, arrays):  # the steps of chunk c: entry i - 1 - c * chunk
@@ -510,14 +511,14 @@ def _chunked(body, running, first, keys, total, chunk, around):
             [tf.constant(0), i, {key: tf.TensorArray(tf.float32, size=chunk,
                                                      element_shape=[]) for key in keys}],
             parallel_iterations=1, maximum_iterations=chunk, name="chunk")
-        return [c + 1, i, {key: done[key].write(c, arrays[key].stack()) for key in keys}]
+        return [c + 1, i, {key: kept[key].write(c, arrays[key].stack()) for key in keys}]
 
-    _, i, done = tf.while_loop(
+    _, i, kept = tf.while_loop(
         lambda c, i, _: running(i), chunk_body,
         [tf.constant(0), first, {key: tf.TensorArray(tf.float32, size=chunks,
                                                      element_shape=[chunk]) for key in keys}],
         parallel_iterations=1, maximum_iterations=chunks, name="chunks")
-    return i, {key: tf.reshape(array.stack(), [-1]) for key, array in done.items()}
+    return i, {key: tf.reshape(array.stack(), [-1]) for key, array in kept.items()}
 
 
 _RunLength = collections.namedtuple("_RunLength", "variable value assign read done")
