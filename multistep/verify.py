@@ -119,7 +119,7 @@ class Report:
             line += (f"\nagainst plain single steps (no XLA): max |Δ| = "
                      f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
                      f"the arithmetic its own way, so its programs round otherwise than "
-                     f"TensorFlow's kernels; fused and single XLA programs compile alike")
+                     f"TensorFlow's kernels")
         elif self.explain or not self.ok or self.same_kernels is False:
             line += "\n" + self._kernel_line()
         return line
