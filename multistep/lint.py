@@ -21,15 +21,16 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["StaleForwardError", "ancestors", "built_at", "captures", "check_captures", "check_dangling", "check_step",
-           "is_write", "order_as_built", "ref_variable_of", "source_op", "user_stacklevel", "warn_random_under_xla",
+__all__ = ["ALIAS_OPS", "StaleForwardError", "ancestors", "built_at", "captures", "check_captures",
+           "check_dangling", "check_step", "is_write", "order_as_built", "ref_variable_of",
+           "source_op", "user_stacklevel", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables", "written_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})
 # Ops that pass a variable through without reading it (they alias it); v1 control flow's
 # frame ops pass a ref or a handle into a loop or cond body.
-ALIAS_OPS = _ALIAS_OPS = frozenset({"Identity", "Enter", "RefEnter", "RefIdentity"})
+ALIAS_OPS = frozenset({"Identity", "Enter", "RefEnter", "RefIdentity"})
 _REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
 # Stateful ops that only read state (or make a variable): never "dangling".
 _READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp",
@@ -51,7 +52,7 @@ class StaleForwardError(ValueError):
 
 def source_op(tensor):
     """The op whose storage ``tensor`` aliases (follows ``Identity`` chains)."""
-    while tensor.op.type in _ALIAS_OPS:
+    while tensor.op.type in ALIAS_OPS:
         tensor = tensor.op.inputs[0]
     return tensor.op
 
@@ -67,7 +68,7 @@ def ref_variable_of(tensor):
 
 def _read_of(op, watched):
     """The name of a watched variable that ``op`` reads, or None."""
-    if op.type in _ALIAS_OPS or op.type in _METADATA_OPS:
+    if op.type in ALIAS_OPS or op.type in _METADATA_OPS:
         return None
     for tensor in op.inputs:
         name = watched.get(source_op(tensor))
