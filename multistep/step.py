@@ -95,8 +95,8 @@ class Step:
         conditional = self.nonfinite == "skip" or self.guard.lift  # after_apply in the cond
         end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
-        _snapshot_ref_reads(graph.get_operations()[first_op:], deps)
         ops = graph.get_operations()[first_op:]
+        ops += _snapshot_ref_reads(ops, deps)  # (the graph's op list is copied once a step)
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
@@ -303,12 +303,13 @@ def _snapshot_ref_reads(ops, deps):
     snapshot of this step instead (``Identity`` of the variable, colocated with it,
     carrying the ``deps`` control inputs, as a resource variable's ``ReadVariableOp``
     carries them), and drops those control inputs: the consumer still runs after
-    ``deps``, through its input, and reaches Grappler in a single step's shape."""
+    ``deps``, through its input, and reaches Grappler in a single step's shape. Returns
+    the snapshot ops it made."""
     deps = {_as_op(d) for d in deps}
-    if not deps:
-        return
-    graph = tf.compat.v1.get_default_graph()
     snapshots = {}
+    if not deps:
+        return []
+    graph = tf.compat.v1.get_default_graph()
     for op in ops:
         ordering = [c for c in op.control_inputs if c in deps]
         if not ordering or lint.is_write(op) or op.type in lint.ALIAS_OPS:
@@ -329,6 +330,7 @@ def _snapshot_ref_reads(ops, deps):
             keep = [c for c in op.control_inputs if c not in deps]
             op._remove_all_control_inputs()
             op._add_control_inputs(keep)
+    return [snapshot.op for snapshot in snapshots.values()]
 
 
 def _opaque_true():
