@@ -12,6 +12,8 @@ cannot run in a compiled program), ref variables, an op without an XLA kernel (a
 import tensorflow as tf
 from tensorflow.python.framework import kernels as kernel_registry
 
+from multistep import lint
+
 __all__ = ["choose"]
 
 # Ops XLA handles itself rather than through a registered kernel (function structure).
@@ -59,8 +61,7 @@ def choose(step, feed, label, *, in_replica_context):
 
 def _uncompilable(graph):
     """Why ``graph`` (a traced step, its nested functions included) cannot compile, or None."""
-    graph_def = graph.as_graph_def()
-    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    nodes = lint.program_nodes(graph)
     missing = sorted({n.op for n in nodes if n.op not in _STRUCTURE and not _has_xla_kernel(n.op)})
     if missing:
         where = [n.name for n in nodes if n.op == missing[0]][0]

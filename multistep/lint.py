@@ -22,7 +22,8 @@ import warnings
 import tensorflow as tf
 
 __all__ = ["ALIAS_OPS", "StaleForwardError", "ancestors", "built_at", "captures", "check_captures",
-           "check_dangling", "check_step", "is_write", "order_as_built", "ref_variable_of",
+           "check_dangling", "check_step", "is_write", "order_as_built", "program_nodes",
+           "ref_variable_of",
            "source_op", "user_stacklevel", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables", "written_variables"]
 
@@ -246,11 +247,17 @@ def check_captures(body, watched, *, name):
                                                    name=name, loop=True))
 
 
+def program_nodes(func_graph):
+    """Every NodeDef of ``func_graph`` and of the functions it calls (loop bodies, cond
+    branches), as one list."""
+    graph_def = func_graph.as_graph_def()
+    return list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+
+
 def warn_random_under_xla(func_graph, *, name):
     """Warn when an XLA-compiled program draws random numbers: XLA's stateless random
     kernels draw other numbers than TensorFlow's, so single steps cannot match."""
-    graph_def = func_graph.as_graph_def()
-    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    nodes = program_nodes(func_graph)
     found = sorted({n.op for n in nodes if n.op.startswith("StatelessRandom")
                     or n.op.startswith("StatelessTruncated")})
     if found:

@@ -329,9 +329,8 @@ def _python_state_findings(step_fn, batches):
 def _capture_findings(body, written):
     """Stale and frozen captures of the loop body (a FuncGraph)."""
     findings = []
-    watched = {op: name for op, name in written.items()}
     try:
-        lint.check_captures(body, watched, name="ms.tf2.fuse")
+        lint.check_captures(body, written, name="ms.tf2.fuse")
     except lint.StaleForwardError as error:
         findings.append(Finding("stale", str(error)))
     for outer, inner in body.captures:
