@@ -81,6 +81,9 @@ def of_steps(nodes, name="multistep"):
         step = int(match.group(1)) if match.group(1) else LOOP
         # tf.gradients names a gradient after its op's full name: strip the step there too.
         within = re.sub(rf"{label}/(?:step_\d+|loop/body)/", "", match.group(2))
+        # A lowered cond's or call's body is inlined as ``cond/then/_57/...``: the number
+        # counts the functions inlined so far in the graph, not a place in the step.
+        within = re.sub(r"/_\d+/", "/_/", within)
         steps[step][within] = _kernel(node)
     return dict(steps)
 

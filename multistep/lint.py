@@ -21,7 +21,7 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["ALIAS_OPS", "StaleForwardError", "ancestors", "built_at", "captures", "check_captures",
+__all__ = ["ALIAS_OPS", "CALL_OPS", "StaleForwardError", "ancestors", "built_at", "captures", "check_captures",
            "check_dangling", "check_step", "is_write", "order_as_built", "program_nodes",
            "ref_variable_of",
            "source_op", "user_stacklevel", "warn_random_under_xla",
@@ -32,6 +32,11 @@ _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableIni
 # Ops that pass a variable through without reading it (they alias it); v1 control flow's
 # frame ops pass a ref or a handle into a loop or cond body.
 ALIAS_OPS = frozenset({"Identity", "Enter", "RefEnter", "RefIdentity"})
+# Ops that run a function (tf.cond's If, tf.case, a v2 tf.while_loop, a tf.function call):
+# lowered before they run, after which each op inside waits only for the inputs it uses and
+# for the call's control inputs, not for all of the call's inputs.
+CALL_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile",
+                      "PartitionedCall", "StatefulPartitionedCall"})
 _REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
 # Stateful ops that only read state (or make a variable): never "dangling".
 _READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp",
@@ -191,13 +196,18 @@ def check_step(step, apply_op, previous_apply, watched, *, name):
 
     Every op that ``apply_op`` depends on (its loss, gradients and
     hyper-parameters) and that reads a watched variable must have
-    ``previous_apply`` among its ancestors.
+    ``previous_apply`` among its ancestors; a call (``CALL_OPS``: a cond, a v2 loop,
+    a ``tf.function`` call) that captures one, among the ancestors of its control
+    inputs, as it runs lowered.
     """
     after = {}
     stale = {}  # op -> (variable name, read op) of a stale read in its ancestry
     for op in _ancestors_postorder(apply_op, stop=previous_apply):
         preds = _preds(op) if op is not previous_apply else []
-        after[op] = op is previous_apply or any(after[p] for p in preds)
+        # A call (CALL_OPS) is lowered before it runs: the reads inside it wait for its
+        # control inputs, not for the data inputs other ops inside it use.
+        ordering = op.control_inputs if op.type in CALL_OPS and _read_of(op, watched) else preds
+        after[op] = op is previous_apply or any(after[p] for p in ordering)
         if after[op]:
             for pred in preds:
                 if not after[pred] and pred in stale:
@@ -277,12 +287,19 @@ def _stale_message(step, used, var, read_op, *, name, loop=False):
         where += f", a read of '{var}'"
     order = ("is computed once, before the loop" if loop
              else f"is not ordered after step {step - 1}'s apply")
+    if read_op.type in CALL_OPS and not loop:
+        why = (f"'{read_op.name}' reads it inside a cond, loop or function call, which runs "
+               f"lowered: each op inside waits for the call's control inputs and the inputs "
+               f"it uses itself, and no control input of the call follows step {step - 1}'s "
+               f"apply (it was built outside the step, or ordered only through its data "
+               f"inputs), so the read may run before that apply")
+    else:
+        why = (f"It was built outside the step (outside loss_fn, or from "
+               f"a tensor made once), so TensorFlow evaluates it once per sess.run and every "
+               f"inner step would reuse the value of '{var}' from before the run")
     return (
         f"{name}: inner step {step} uses {where}, which {order}. "
-        f"It was built outside the step (outside loss_fn, or from "
-        f"a tensor made once), so TensorFlow evaluates it once per sess.run and every "
-        f"inner step would reuse the value of '{var}' from before the run: a silently "
-        f"wrong result. Fix: build everything that reads a trained variable inside "
+        f"{why}: a silently wrong result. Fix: build everything that reads a trained variable inside "
         f"loss_fn (call the layer there, e.g. loss_fn=lambda: xent(dense(x), y)); "
         f"for a learning rate or other hyper-parameter that depends on the global "
         f"step, pass a callable, e.g. learning_rate=lambda: "

@@ -20,6 +20,8 @@ after_apply's), with the names a single-step graph gives them.
 import contextlib
 import dataclasses
 import sys
+import warnings
+import weakref
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
@@ -54,6 +56,7 @@ class Step:
     names: object = None  # the name counters as step 1 found them
     tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
     rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
+    forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -77,13 +80,18 @@ class Step:
             if callable(args):
                 with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
                     args = args()
-            with (self.guard.scope("forward"), _reuse_variables(not first or self.rebuild),
+            with (self.guard.scope("forward") as forward_scope,
+                  _reuse_variables(not first or self.rebuild),
                   contextlib.nullcontext() if first else self.names.restored(),
+                  _scopes_moved(graph, None if first else self.forward_scope, forward_scope),
                   tape or contextlib.nullcontext()):
+                if first:
+                    self.forward_scope = forward_scope
                 if tape is not None:
                     tape.watch(self.var_list)
                 loss = _call_loss_fn(self.loss_fn, args, step)
             collected = [_as_op(u) for u in updates[known_updates:]]
+            _STEP_UPDATES.setdefault(graph, set()).update(collected)
             if not first:  # the collection keeps one step's update ops, as a single-step graph has
                 del updates[known_updates:]
             initializers = _initializers(self.guard.created[created:])
@@ -97,6 +105,7 @@ class Step:
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
         ops += _snapshot_ref_reads(ops, deps)  # (the graph's op list is copied once a step)
+        _order_calls(ops, deps)
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
@@ -162,6 +171,11 @@ class Step:
         """
         graph = tf.compat.v1.get_default_graph()
         grads_and_vars = None
+        if isinstance(k, int) and k == 1 and any(
+                op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW for op in forward):
+            # A cond or call: a tape would name its gradient otherwise (or, over v1 control
+            # flow, not take it at all); tf.gradients names it as a single step does.
+            self.tape_may_serve = False
         if local:
             grads_and_vars = _gradients_through_reads(loss, self.var_list, forward)
             if grads_and_vars is not None:
@@ -290,6 +304,58 @@ class Step:
         return state + [v for v in (self.global_step, self.skipped) if v is not None]
 
 
+@contextlib.contextmanager
+def _scopes_moved(graph, first, now):
+    """While step k's forward pass is built: a name scope under step 1's forward scope
+    ``first`` is entered under this step's, ``now``.
+
+    A layer object built in step 1 (a ``tf.compat.v1.layers.Dense`` made outside
+    ``loss_fn``) names the ops of every later call in the name scope of its first call,
+    an absolute scope: ``multistep/step_1/forward/dense/``. Step k's calls would then be
+    named ``dense/MatMul_3``, ``_4``, ``_5`` (after step 1's), where a single step's are
+    ``MatMul``, ``_1``, ``_2``; Grappler sorts the terms of a gradient sum by name, and
+    ``MatMul_1_grad < MatMul_2_grad < MatMul_grad`` but ``MatMul_3_grad < _4 < _5``: the
+    kernel's gradient, shared by three calls, was summed in another order (6e-8 off). Moved
+    under step k's scope, the ops get a single step's names, and sit in step k's block."""
+    if first is None or first == now:
+        yield
+        return
+    enter = graph.name_scope
+
+    def name_scope(name):
+        if isinstance(name, str) and name.startswith(first) and name.endswith("/"):
+            name = now + name[len(first):]
+        return enter(name)
+
+    graph.name_scope = name_scope  # (the graph's own method; no public hook renames a scope)
+    try:
+        yield
+    finally:
+        del graph.name_scope
+
+
+# Per graph: the UPDATE_OPS that the steps of every ms.unroll built (warn_outside_updates).
+_STEP_UPDATES = weakref.WeakKeyDictionary()
+
+
+def warn_outside_updates(graph, label):
+    """Warn about ops in UPDATE_OPS that no ``loss_fn`` built (as ``ms.unroll`` starts):
+    a single step under ``control_dependencies(UPDATE_OPS)`` runs them every step; a
+    fused step runs only the update ops its own ``loss_fn`` call adds."""
+    known = _STEP_UPDATES.get(graph, set())
+    outside = [op for op in map(_as_op, graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+               if op not in known]
+    if outside:
+        names = ", ".join(f"'{op.name}' ({op.type}){lint.built_at(op)}" for op in outside[:3])
+        warnings.warn(
+            f"{label}: tf.compat.v1.GraphKeys.UPDATE_OPS holds {len(outside)} op(s) built "
+            f"outside loss_fn: {names}{', ...' if len(outside) > 3 else ''}. A single step "
+            f"under control_dependencies(UPDATE_OPS) runs them every step; ms.unroll runs the "
+            f"update ops that loss_fn adds as it builds each step, so these run in no step. "
+            f"Build them inside loss_fn (call the layer there), or, to run after each step's "
+            f"apply, in after_apply.", RuntimeWarning, stacklevel=lint.user_stacklevel())
+
+
 def _snapshot_ref_reads(ops, deps):
     """Give this step's reads of ref variables their own snapshot, ordered after ``deps``.
 
@@ -331,6 +397,26 @@ def _snapshot_ref_reads(ops, deps):
             op._remove_all_control_inputs()
             op._add_control_inputs(keep)
     return [snapshot.op for snapshot in snapshots.values()]
+
+
+def _order_calls(ops, deps):
+    """Give each functional control-flow op or function call of this step (``tf.cond``'s
+    ``If``, ``tf.case``, a v2 ``tf.while_loop``, a ``tf.function`` call) ``deps`` as control
+    inputs, where ``tf.control_dependencies`` gave it none.
+
+    ``tf.control_dependencies`` skips an op that has an input built in its block (the
+    input carries the order). A functional op is lowered before it runs (Switch/Merge, an
+    inlined body), and then each op inside waits only for the inputs it uses itself: a read
+    of a captured variable inside a cond on a ``training`` placeholder waited for the
+    placeholder alone and ran at the start of the run, before the previous step's apply
+    (batch norm's moving variance 1e-3 off after 8 steps, a race). A control input of the
+    op orders everything inside it (``lint.check_step`` checks it so)."""
+    deps = [_as_op(d) for d in deps]
+    for op in ops:
+        if op.type in lint.CALL_OPS:
+            missing = [d for d in deps if d not in op.control_inputs]
+            if missing:
+                op._add_control_inputs(missing)  # (no public way to add one after the fact)
 
 
 def _opaque_true():
@@ -446,6 +532,7 @@ def _after_apply_ops(returned, step):
 
 
 _SUMS = ("AddN", "Add", "AddV2")
+_V1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter"})
 
 
 def _reorderable_sums(ops):
@@ -494,6 +581,10 @@ def _gradients_through_reads(loss, var_list, forward):
     reads = [op for h in handles for op in uses[h.op]]
     if not all(uses.values()) or any(op.type != "ReadVariableOp" for op in reads):
         return None
+    graph = tf.compat.v1.get_default_graph()
+    # The scope tf.gradients makes ("gradients", numbered): the sums below go there, named
+    # as tf.gradients names the sums it makes at a variable (``gradients/AddN``).
+    scope = graph.unique_name("gradients", mark_as_used=False) + "/"
     grads = dict(zip(reads, tf.compat.v1.gradients(
         loss, [op.outputs[0] for op in reads], gate_gradients=True)))
     out = []
@@ -504,8 +595,10 @@ def _gradients_through_reads(loss, var_list, forward):
         # tf.gradients sums at the variable in the order the backward pass
         # completed the reads' gradients (matters only with Grappler off).
         terms.sort(key=lambda t: t.op._id)
-        out.append((None if not terms else terms[0] if len(terms) == 1
-                    else tf.math.add_n(terms), v))
+        if len(terms) > 1:
+            with graph.name_scope(scope):
+                terms = [tf.math.add_n(terms)]
+        out.append((terms[0] if terms else None, v))
     return out
 
 

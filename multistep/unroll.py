@@ -343,6 +343,8 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
         label = step.label = scope.rstrip("/")
+        if update_ops is not False:
+            step_lib.warn_outside_updates(tf.compat.v1.get_default_graph(), label)
         if nonfinite == "skip":
             step.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
         feed = Inputs(inputs, steps, xla=xla and mode != "auto")

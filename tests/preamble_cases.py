@@ -18,6 +18,7 @@ not the other fails the test even where this CPU rounds both alike.
 """
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -75,7 +76,56 @@ def batch_norm(x, y, kind):
         return _xent(tf.matmul(tf.reshape(h, [BATCH, 100]), _var("out", [100, 3], kind)), y)
 
 
-MODELS = {"mlp": (mlp, FLAT_X), "conv": (conv, IMAGE_X), "batch_norm": (batch_norm, IMAGE_X)}
+def _training():
+    """The graph's fed ``training`` switch (True unless fed), made once per graph."""
+    graph = V1.get_default_graph()
+    found = graph.get_collection("training_switch")
+    if not found:
+        with graph.as_default(), graph.name_scope(None):
+            found = [V1.placeholder_with_default(True, [], name="training")]
+        graph.add_to_collection("training_switch", found[0])
+    return found[0]
+
+
+def bn_placeholder(x, y, kind):
+    """Batch norm switched by a fed ``training`` placeholder: its normalisation and its
+    moving-statistics updates each in a ``tf.cond`` on it (the issue's race: reads inside
+    a cond waited for the placeholder only)."""
+    with V1.variable_scope("bnp_model", use_resource=kind == "resource"):
+        h = tf.nn.conv2d(x, _var("k", [3, 3, 2, 4], kind), 1, "SAME")
+        h = tf.nn.relu(V1.layers.batch_normalization(h, training=_training(), name="bn"))
+        return _xent(tf.matmul(tf.reshape(h, [BATCH, 100]), _var("out", [100, 3], kind)), y)
+
+
+def cond_read(x, y, kind):
+    """A dropout-style ``tf.cond`` on the fed placeholder whose true branch reads trained
+    weights (a scale computed from ``w2``) and whose input is computed in the step."""
+    w1, w2 = _var("w1", [6, 8], kind), _var("w2", [8, 3], kind)
+    h = tf.tanh(tf.matmul(x, w1))
+    h = tf.cond(_training(), lambda: h * tf.sigmoid(tf.reduce_mean(w2)), lambda: h)
+    return _xent(tf.matmul(h, w2), y)
+
+
+def shared_dense(x, y, kind):
+    """One ``tf.compat.v1.layers.Dense`` object, made once per graph (outside the loss
+    function), called at three time steps: every call after its first names its ops in
+    its first call's name scope."""
+    graph = V1.get_default_graph()
+    if not graph.get_collection("shared_dense"):  # (no name scope: its variables' scope is its first call's)
+        init = V1.constant_initializer(np.random.RandomState(4).randn(6, 6) * 0.4)
+        graph.add_to_collection("shared_dense", V1.layers.Dense(
+            6, activation=tf.tanh, kernel_initializer=init, name="cell"))
+    [cell] = graph.get_collection("shared_dense")
+    h = tf.zeros([BATCH, 6])
+    for t in range(3):
+        with V1.variable_scope("rnn", use_resource=kind == "resource"):
+            h = cell(x * float(t + 1) + h)
+    return _xent(tf.matmul(h, _var("out", [6, 3], kind)), y)
+
+
+MODELS = {"mlp": (mlp, FLAT_X), "conv": (conv, IMAGE_X), "batch_norm": (batch_norm, IMAGE_X),
+          "bn_placeholder": (bn_placeholder, IMAGE_X), "cond_read": (cond_read, FLAT_X),
+          "shared_dense": (shared_dense, FLAT_X)}
 
 
 def _values(sess):
@@ -125,11 +175,59 @@ def fused(model, kind, mode, optimizer, steps, lengths, **options):
                 if executed is None:
                     value, nodes = kernels.executed(sess, unrolled.losses, feed)
                     executed = kernels.of_steps(nodes, unrolled.name)
+                    unordered = unordered_reads(nodes, unrolled.name)
                 else:
                     value = sess.run(unrolled.losses, feed)
                 losses.extend(value)
                 snapshots.append(_values(sess))
-    return snapshots, np.array(losses, np.float32), executed
+    return snapshots, np.array(losses, np.float32), executed, unordered
+
+
+_PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Switch", "RefSwitch", "Enter", "RefEnter"})
+
+
+def unordered_reads(nodes, name="multistep"):
+    """The variable reads of each unrolled inner step k >= 2 that, in the executed
+    (lowered, inlined) partition graphs, do not descend from a write of step k-1's apply:
+    reads that may run before it, whatever this run's timing. A read: a node of step k
+    that takes a variable (a handle or a ref, through identities and v1 control flow's
+    switches) as a data input and is not itself a write or a pass-through."""
+    by_name = {n.name: n for n in nodes}
+    children = {}
+    for n in nodes:
+        for i in n.input:
+            children.setdefault(i.lstrip("^").split(":")[0], []).append(n.name)
+
+    def source(n):
+        while n.op in _PASS_THROUGH and n.input:
+            n = by_name.get(n.input[0].split(":")[0], n)
+            if n.op not in _PASS_THROUGH:
+                break
+        return n
+
+    step_of = {}
+    for n in nodes:
+        found = re.search(rf"(?:^|/){name}/step_(\d+)/", n.name)
+        if found:
+            step_of[n.name] = int(found.group(1))
+    found = []
+    for k in sorted(set(step_of.values()) - {1}):
+        writes = [n.name for n in nodes if step_of.get(n.name) == k - 1 and "/apply/" in n.name
+                  and n.op.startswith(("ResourceApply", "Apply", "Assign"))]
+        after, stack = set(), list(writes)
+        while stack:
+            current = stack.pop()
+            if current not in after:
+                after.add(current)
+                stack.extend(children.get(current, ()))
+        for n in nodes:
+            if step_of.get(n.name) != k or n.op in _PASS_THROUGH or n.op.startswith(
+                    ("ResourceApply", "Apply", "Assign")) or n.name in after:
+                continue
+            if any(source(by_name[i.split(":")[0]]).op in ("VarHandleOp", "VariableV2")
+                   for i in n.input if not i.startswith("^") and i.split(":")[0] in by_name):
+                found.append(n.name)
+    return found
 
 
 def main(cases):
@@ -140,7 +238,8 @@ def main(cases):
         lengths = [STEPS, STEPS - 1] if "short" in extra else [STEPS] * RUNS
         options = {"nonfinite": "skip"} if "skip" in extra else {}
         want, want_losses = reference(model, kind, optimizer, lengths)
-        got, got_losses, steps = fused(model, kind, mode, optimizer, STEPS, lengths, **options)
+        got, got_losses, steps, unordered = fused(model, kind, mode, optimizer, STEPS, lengths,
+                                                  **options)
         got = [{n: v for n, v in values.items() if n != "multistep/skipped_steps"} for values in got]
         single = fused(model, kind, mode, optimizer, 1, [1], **options)[2][1]
         deltas = {"losses": float(np.max(np.abs(got_losses - want_losses)))}
@@ -153,7 +252,8 @@ def main(cases):
         print(json.dumps({"case": case, "max_delta": max(deltas.values()), "deltas": deltas,
                           "steps": sorted(map(str, steps)), "kernels": len(single),
                           "ops": sorted({str(k) for k in single.values()}),
-                          "kernel_difference": None if difference is None else str(difference)}),
+                          "kernel_difference": None if difference is None else str(difference),
+                          "unordered_reads": unordered}),
               flush=True)
 
 

@@ -4,6 +4,9 @@ stateful op left dangling. References are single steps written in the canonical 
 ``with tf.control_dependencies([train]): ema.apply(...)``; every global variable
 (weights, slots, moving statistics, EMA shadows, global step) is compared bitwise."""
 
+import sys
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -275,3 +278,67 @@ def test_after_apply_must_be_callable_and_return_ops():
         ms.unroll(loss, V1.train.GradientDescentOptimizer(0.1), 2, after_apply=V1.no_op())
     with tf.Graph().as_default(), pytest.raises(TypeError, match="after_apply must return"):
         ms.unroll(loss, V1.train.GradientDescentOptimizer(0.1), 2, after_apply=lambda: 3.0)
+
+
+def test_update_ops_built_outside_loss_fn_are_warned_about():
+    """A single step under control_dependencies(UPDATE_OPS) runs a counter added to the
+    collection before the model (48 times in 48 steps); ms.unroll runs only what loss_fn
+    adds (0 times): it says so at build, naming the op and where it was built."""
+    with tf.Graph().as_default():
+        counter = V1.get_variable("counter", initializer=0, trainable=False)
+        V1.add_to_collection(UPDATE_OPS, counter.assign_add(1, name="count_steps"))
+        line = sys._getframe().f_lineno - 1
+        with pytest.warns(RuntimeWarning, match=r"UPDATE_OPS holds 1 op\(s\) built outside "
+                          r"loss_fn: 'count_steps'") as caught:
+            ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                      V1.train.GradientDescentOptimizer(0.1), 3)
+        assert f"at {__file__}:{line}" in str(caught[0].message)
+        # A second model in the same graph: the first's update ops (built by its
+        # loss_fn) are not "outside"; the counter still is.
+        with pytest.warns(RuntimeWarning, match="holds 1 op"):
+            ms.unroll(lambda x, y: bn_loss(x, y), V1.train.GradientDescentOptimizer(0.1), 2,
+                      inputs=(tf.constant(X[:2]), tf.constant(Y[:2])), name="second")
+        V1.get_collection_ref(UPDATE_OPS).pop(0)
+
+        def third(x, y):
+            with V1.variable_scope("third"):
+                return bn_loss(x, y)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ms.unroll(third, V1.train.GradientDescentOptimizer(0.1), 2,
+                      inputs=(tf.constant(X[:2]), tf.constant(Y[:2])), name="third")
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_a_counter_written_after_apply_and_read_in_a_cond_reads_this_runs_value(mode):
+    """A cond on a fed `training` switch whose branch reads a counter that after_apply
+    increments: each step must read the count after the previous step's after_apply
+    (a lowered cond's reads used to wait for the switch only: every step read the count
+    from before the run). Reference: canonical single steps."""
+    def model(x, y):
+        w = V1.get_variable("dense/kernel", initializer=rng_init((3, 2)))
+        count = V1.get_variable("count", initializer=0.0, trainable=False)
+        training = V1.get_default_graph().get_tensor_by_name("training:0")
+        h = tf.matmul(x, w)  # an input of the cond built in the step (its only order, once)
+        h = tf.cond(training, lambda: h / (1.0 + count.read_value()), lambda: h)
+        return tf.reduce_mean(tf.square(h - y))
+
+    def after_apply():
+        [count] = [v for v in V1.global_variables() if v.op.name == "count"]
+        return count.assign_add(1.0)
+
+    def with_switch(fn):
+        def build(*args, **kw):
+            graph = V1.get_default_graph()
+            if not graph.get_operations() or "training" not in [op.name for op in graph.get_operations()]:
+                with graph.name_scope(None):
+                    V1.placeholder_with_default(True, [], name="training")
+            return fn(*args, **kw)
+        return build
+
+    want = single_steps(with_switch(model), OPTIMIZERS["GradientDescent"], 6, after_apply=after_apply)
+    got, _ = fused_steps(with_switch(model), OPTIMIZERS["GradientDescent"], 3, 2, mode=mode,
+                         after_apply=after_apply)
+    assert want["count"] == 6.0
+    assert_bitwise(got, want)
