@@ -28,9 +28,17 @@ class Inputs:
             self.iterator = inputs
             self.structure = tf.compat.v1.data.get_output_types(inputs)
             return
+        for i, value in enumerate(tf.nest.flatten(inputs)):
+            self.flat.append(_static_checked(tf.convert_to_tensor(value), i, steps))
+
+    def check_lengths(self, steps, count=None):
+        """From here on, step k's slice comes from inputs whose leading dimension is checked
+        at run time against the steps the run does: ``steps``, or ``count`` (loop mode: the
+        run length read from ``steps_per_run``). A loop-mode run shortened by
+        ``set_steps_per_run`` (or ``AutoStepsHook``) and fed ``steps`` batches would
+        otherwise train on the first ``count`` and drop the rest, silently."""
         with tf.name_scope("inputs"):
-            for i, value in enumerate(tf.nest.flatten(inputs)):
-                self.flat.append(_leading_dimension_checked(tf.convert_to_tensor(value), i, steps))
+            self.flat = [_dynamic_checked(t, i, steps, count) for i, t in enumerate(self.flat)]
 
     def args(self, index):
         """Positional arguments for the step at 0-based ``index`` (an int or a scalar tensor)."""
@@ -43,19 +51,35 @@ class Inputs:
         return tuple(element) if type(self.structure) in (tuple, list) else (element,)
 
 
-def _leading_dimension_checked(t, i, steps):
-    where = f"inputs (flattened item {i}, {t.name!r})"
+def _where(t, i):
+    return f"inputs (flattened item {i}, {t.name!r})"
+
+
+def _static_checked(t, i, steps):
     if t.shape.rank == 0:
-        raise ValueError(f"{where} is a scalar; it needs a leading dimension of steps={steps}.")
+        raise ValueError(f"{_where(t, i)} is a scalar; it needs a leading dimension of steps={steps}.")
     lead = t.shape[0] if t.shape.rank is not None else None
     if lead is not None and lead != steps:
         raise ValueError(
-            f"{where} has leading dimension {lead}, expected steps={steps}: "
+            f"{_where(t, i)} has leading dimension {lead}, expected steps={steps}: "
             f"step k takes slice k, so pass one slice per inner step.")
-    if lead is not None:
-        return t
-    check = tf.debugging.assert_equal(
-        tf.shape(t)[0], steps, message=f"{where}: leading dimension must equal steps={steps}")
+    return t
+
+
+def _dynamic_checked(t, i, steps, count):
+    lead = t.shape[0] if t.shape.rank is not None else None
+    if count is None:
+        if lead is not None:
+            return t
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], steps, message=f"{_where(t, i)}: leading dimension must equal steps={steps}")
+    else:
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], count, message=(
+                f"{_where(t, i)}: its leading dimension (the batches fed) must equal the "
+                f"steps this run does (Unrolled.steps_per_run, set by set_steps_per_run or "
+                f"AutoStepsHook; at most steps={steps}), or the batches past them would be "
+                f"dropped. Feed one batch per step the run does (a placeholder with leading "
+                f"dimension None takes any), or set steps_per_run to the batches fed"))
     with tf.control_dependencies([check]):
         return tf.identity(t)
-

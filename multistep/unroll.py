@@ -357,6 +357,7 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         run_length = (_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
         count = run_length.read if run_length is not None else None
+        feed.check_lengths(steps, count)
 
         def steps_1_to_n(count):
             """Every step, in the current graph (XLA: the compiled program's): ({output

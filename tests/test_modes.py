@@ -357,6 +357,42 @@ def test_xla_loop_runs_shortened_by_steps_per_run_match_the_single_step_program(
         assert np.array_equal(fused[name], single[name]), name
 
 
+@pytest.mark.parametrize("xla", [False, True])
+def test_fed_batches_in_a_shortened_loop_run_are_all_used_or_refused(xla):
+    """A loop-mode run shortened by set_steps_per_run(3) and fed all 6 batches used to
+    train on 3 and drop 3, silently: it is refused naming the cause; fed 3 (one per step the
+    run does), it trains on exactly them, bitwise with 3 canonical minimize steps."""
+    batches_x = np.stack([X[8 * k:8 * k + 8] for k in range(6)])
+    batches_y = np.stack([Y[8 * k:8 * k + 8] for k in range(6)])
+    with tf.Graph().as_default():
+        x, y = V1.placeholder(tf.float32, [None, 8, 2]), V1.placeholder(tf.int32, [None, 8])
+        unrolled = ms.unroll(dense_loss, V1.train.AdamOptimizer(0.05), 6, inputs=(x, y),
+                             mode="while_loop", xla=xla)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            unrolled.set_steps_per_run(sess, 3)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="would be dropped"):
+                sess.run(unrolled.train_op, {x: batches_x[:6], y: batches_y[:6]})
+            losses = unrolled.run(sess, {x: batches_x[:3], y: batches_y[:3]})
+            got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    with tf.Graph().as_default():
+        x, y = V1.placeholder(tf.float32, [8, 2]), V1.placeholder(tf.int32, [8])
+        loss = dense_loss(x, y)
+        train = V1.train.AdamOptimizer(0.05).minimize(loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want_losses = [sess.run([train, loss], {x: batches_x[k], y: batches_y[k]})[1]
+                           for k in range(3)]
+            want = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    assert len(losses) == 3
+    if xla:  # compiled steps against plain ones: not bitwise (test_xla_* above bound them)
+        return
+    assert np.array_equal(losses, want_losses)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
 def auto_build(kind):
     """build_fn for mode="auto": a dense layer; ``kind`` adds what keeps XLA out."""
     def build_it(steps):
