@@ -44,8 +44,11 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
         ``strategy.experimental_distribute_values_from_function``), each replica's with
         leading dimension N (step k takes slice k); or plain tensors with leading
         dimension N, the same for every replica. An iterator's N batches are taken at
-        the start of the run (the data only: no step reads trained state early).
-      reduce: ``"mean"`` or ``"sum"``: how ``losses`` (and ``records``) combine the
+        the start of the run (the data only: no step reads trained state early), so a
+        run for which fewer are left applies none of its steps, and the batches it took
+        are lost: ``Unrolled.run`` then raises ``InputExhaustedError`` saying so. Make
+        the dataset a multiple of N batches long (or ``repeat()`` it).
+      reduce: ``"mean"`` or ``"sum"``: how ``losses`` combine the
         values of all the replicas in sync (under MultiWorkerMirroredStrategy, every
         worker's: a collective, so every worker must run the same ops).
       **options: ``ms.unroll``'s keyword options (``grad_transforms``, ``global_step``,
@@ -57,7 +60,8 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
 
     Returns:
       An ``Unrolled``: ``train_op`` groups the replicas' train ops; ``losses`` is float32
-      ``[N]``, each step's loss reduced across replicas; ``records`` likewise; ``var_list``
+      ``[N]``, each step's loss reduced across replicas; ``records`` the same in every
+      replica (``grad_norm``: the norm of the summed gradient the optimizer applies); ``var_list``
       holds the distributed variables; ``Unrolled.run`` works as for ``ms.unroll``.
 
     Example:
@@ -119,11 +123,14 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
             return strategy.reduce(REDUCE[reduce], _per_replica(values), axis=None)
 
         losses = reduced(lambda u: u.losses)
-        records = {key: reduced(lambda u, key=key: u.records[key]) for key in first.records}
+        # A record (the applied gradient's norm, the learning rate) is the same in every
+        # replica: this worker's first replica's, not reduced.
+        records = dict(first.records)
         train_op = tf.group(*[u.train_op for u in built], name=first.name.split("/")[-1] + "_train")
     return Unrolled(train_op=train_op, losses=losses, steps=steps,
                     var_list=_distributed(first.var_list, strategy), name=first.name,
-                    records=records, global_step=first.global_step)
+                    records=records, global_step=first.global_step,
+                    _batches_first=from_iterator)
 
 
 def _per_replica(values):

@@ -622,10 +622,20 @@ def _records(record, optimizer, grads_and_vars):
     """This step's recorded quantities, float32 scalars."""
     out = {}
     if "grad_norm" in record:
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        grads = [g for g, _ in pairs]
+        if in_replica_context():
+            # The applied gradient is the replicas' sum, not this replica's part: summed
+            # as the optimizer's apply sums it (batch_reduce_to onto the variables), the
+            # norm of the sum, the same in every replica.
+            def summed(strategy, pairs):
+                return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+
+            grads = tf.distribute.get_replica_context().merge_call(summed, args=(pairs,))
         # In float32 whatever the variables' dtypes (float16, float64, mixed), as documented.
         out["grad_norm"] = tf.linalg.global_norm([
             tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
-            for g, _ in grads_and_vars if g is not None])
+            for g in grads])
     if "learning_rate" in record:
         lr = learning_rate_of(optimizer)
         out["learning_rate"] = tf.cast(lr() if callable(lr) else lr, tf.float32)

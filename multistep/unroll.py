@@ -77,6 +77,7 @@ class Unrolled:
     mode: str = "unrolled"
     why: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
+    _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
 
@@ -155,7 +156,10 @@ class Unrolled:
             applied = session.run(self._run_length.done)  # the loop counts the steps it ended
         else:
             applied = None
-        if applied is not None:
+        if self._batches_first:  # ms.distribute.unroll over an iterator
+            done = (f"none of its {length} steps were applied: a run takes its {length} batches "
+                    f"before its first step, fewer were left, and those it took are lost")
+        elif applied is not None:
             done = f"the first {applied} of its {length} steps were applied"
         else:
             done = "the steps before the missing batch were applied"

@@ -224,6 +224,75 @@ def verify_build(steps):
     return u, {}
 
 
+def grad_norms(steps, runs=2):
+    """record=("grad_norm",) against the norm of the gradient a hand-written single
+    distributed step applies: the replicas' gradients summed (as the optimizer's
+    all-reduce sums them), in the cross-replica context. Two terms add up the same in
+    either order, so the two are meant to be bitwise equal."""
+    out = {}
+    for fused in (True, False):
+        graph = tf.Graph()
+        with graph.as_default():
+            strategy = V1.distribute.MirroredStrategy(DEVICES)
+            with strategy.scope():
+                loss_fn, gs = model()
+            opt = optimizer("sgd")
+            iterator = strategy.make_dataset_iterator(dataset())
+            if fused:
+                u = ms.distribute.unroll(strategy, loss_fn, opt, steps, inputs=iterator,
+                                         global_step=gs, record=("grad_norm",))
+                fetch = u.records["grad_norm"]
+            else:
+                def step(batch):
+                    grads_and_vars = opt.compute_gradients(loss_fn(*batch))
+                    with tf.control_dependencies([opt.apply_gradients(grads_and_vars, global_step=gs)]):
+                        return [tf.identity(g) for g, _ in grads_and_vars]
+
+                with strategy.scope():
+                    local = strategy.extended.call_for_each_replica(step, args=(iterator.get_next(),))
+                    summed = [strategy.reduce(tf.distribute.ReduceOp.SUM, g, axis=None) for g in local]
+                    fetch = tf.linalg.global_norm(summed)[None]
+                    mean_of_norms = strategy.reduce(
+                        tf.distribute.ReduceOp.MEAN, strategy.extended.call_for_each_replica(
+                            lambda *g: tf.linalg.global_norm(list(g)), args=tuple(local)), axis=None)
+            init = [V1.global_variables_initializer(), iterator.initializer]
+        with V1.Session(graph=graph) as sess:
+            sess.run(init)
+            if fused:
+                out[fused] = np.concatenate([sess.run(fetch) for _ in range(runs)]).tolist()
+            else:
+                pairs = [sess.run([fetch, mean_of_norms]) for _ in range(runs * steps)]
+                out[fused] = np.concatenate([p[0] for p in pairs]).tolist()
+                out["mean_of_replica_norms"] = [float(p[1]) for p in pairs]
+    return {"fused": out[True], "applied": out[False],
+            "mean_of_replica_norms": out["mean_of_replica_norms"]}
+
+
+def remainder(steps=2, batches=5):
+    """A dataset of 5 batches, 2 steps a run: two runs train 4 steps; the third finds one
+    batch where it needs two: it must apply nothing and say so (its batches are taken
+    before its first step), with the true global step."""
+    with tf.Graph().as_default():
+        strategy = V1.distribute.MirroredStrategy(DEVICES)
+        with strategy.scope():
+            loss_fn, gs = model()
+        data = tf.data.Dataset.from_tensor_slices((X[:batches * GLOBAL_BATCH],
+                                                   Y[:batches * GLOBAL_BATCH])).batch(GLOBAL_BATCH)
+        iterator = strategy.make_dataset_iterator(data)
+        u = ms.distribute.unroll(strategy, loss_fn, optimizer("sgd"), steps, inputs=iterator,
+                                 global_step=gs)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), iterator.initializer])
+            runs = 0
+            try:
+                while True:
+                    u.run(sess)
+                    runs += 1
+            except ms.InputExhaustedError as error:
+                return {"runs": runs, "global_step": int(sess.run(gs)), "message": str(error)}
+    return {"runs": runs}
+
+
 def half_and_full():
     """The same 6 SGD steps (2 runs of 3): 2 replicas x 4 rows, and 1 device x 8 rows."""
     out = {}
@@ -263,6 +332,8 @@ results["refused_loop"] = refused(mode="while_loop")
 results["refused_xla"] = refused(xla=True)
 results["refused_skip"] = refused(nonfinite="skip")
 results["half_and_full"] = half_and_full()
+results["grad_norms"] = grad_norms(3)
+results["remainder"] = remainder()
 report = ms.verify(verify_build, steps=3, runs=2)
 results["verify"] = {"ok": report.ok, "bitwise": report.bitwise, "summary": report.summary()}
 print("RESULTS " + json.dumps(results))
@@ -396,3 +467,19 @@ def test_reduce_checked():
         strategy = V1.distribute.MirroredStrategy(["/cpu:0"])
         with pytest.raises(ValueError, match="reduce must be one of"):
             ms.distribute.unroll(strategy, lambda: tf.constant(0.0), None, 2, reduce="max")
+
+
+def test_grad_norm_is_the_applied_gradients_norm(results):
+    """Under two replicas, grad_norm used to be the mean of the replicas' own norms; it
+    is the norm of the summed gradient that the optimizer applies, step by step."""
+    got = results["grad_norms"]
+    assert len(got["fused"]) == len(got["applied"]) == 6
+    assert got["fused"] == got["applied"], got
+    assert got["fused"] != got["mean_of_replica_norms"]  # the reference tells them apart
+
+
+def test_a_run_short_of_batches_applies_nothing_and_says_so(results):
+    got = results["remainder"]
+    assert got["runs"] == 2 and got["global_step"] == 4, got
+    assert "none of its 2 steps were applied" in got["message"], got["message"]
+    assert "the global step is now 4" in got["message"], got["message"]
