@@ -164,7 +164,8 @@ def check_dangling(ops, end, *, exempt, name, step):
                 f"(run after the step's apply). Layers that write state in their forward pass "
                 f"without UPDATE_OPS (Keras 3 BatchNormalization and Dropout in graph mode) need "
                 f"update_ops='all': every variable write of the forward pass then runs in its "
-                f"step, as tf.function would run it.")
+                f"step, as tf.function would run it; so do tf-keras layers called with a "
+                f"`training` placeholder, whose updates are conds holding the writes.")
 
 
 def _ancestors_postorder(root, stop=None, known=(), preds=_preds):

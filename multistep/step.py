@@ -209,7 +209,16 @@ class Step:
             own = [op for op in forward if op not in initializers]
             lint.order_as_built(own)
             listed = set(collected)
-            return collected + [op for op in own if lint.is_write(op) and op not in listed]
+            writes = [op for op in own if lint.is_write(op) and op not in listed]
+            # A stateful cond or call may hold writes: a tf-keras layer's update under a
+            # `training` placeholder is a cond whose branch assigns (smart_cond). Built in a
+            # graph (not a function), its branches list no control outputs, so a control
+            # input on the cond runs no write: its outputs must be computed.
+            calls = [op for op in own if op.type in lint.CALL_OPS and op._is_stateful
+                     and op not in listed and op.outputs]
+            with tf.name_scope("update_ops"):
+                computed = [tf.identity(t).op for op in calls for t in op.outputs]
+            return collected + writes + computed
         return collected
 
     def _after(self, apply_op):

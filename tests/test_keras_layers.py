@@ -204,3 +204,71 @@ def test_tf1_layers_named_and_unnamed_under_tf_keras_match_canonical_single_step
     assert {"dense/kernel", "dense_1/kernel", "block/w"} <= set(results["unnamed-unrolled"]["variables"])
     for case, r in results.items():
         assert r["names"] and r["differ"] == [] and r["moving_mean_moved"], (case, r)
+
+
+TF_KERAS_BN = textwrap.dedent("""
+    import json
+    import numpy as np
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import tf_keras
+    import multistep as ms
+
+    V1 = tf.compat.v1
+    rng = np.random.RandomState(0)
+    X, Y = rng.randn(6, 8, 3).astype(np.float32), rng.randn(6, 8, 2).astype(np.float32)
+
+    def run(fused, mode="unrolled", update_ops="all"):
+        with tf.Graph().as_default():
+            training = V1.placeholder_with_default(True, [], name="training")
+            bn = tf_keras.layers.BatchNormalization(name="bn")
+            dense = tf_keras.layers.Dense(2, name="dense",
+                                          kernel_initializer=tf_keras.initializers.Constant(0.3))
+            loss_fn = lambda x, y: tf.reduce_mean(tf.square(dense(bn(x, training=training)) - y))
+            if fused:
+                xs, ys = V1.placeholder(tf.float32, [3, 8, 3]), V1.placeholder(tf.float32, [3, 8, 2])
+                u = ms.unroll(loss_fn, V1.train.AdamOptimizer(0.05), 3, inputs=(xs, ys),
+                              update_ops=update_ops, mode=mode)
+                runs = [(u.train_op, {xs: X[r * 3:r * 3 + 3], ys: Y[r * 3:r * 3 + 3]}) for r in range(2)]
+            else:  # the canonical tf-keras single step: the layer's updates before minimize
+                x, y = V1.placeholder(tf.float32, [8, 3]), V1.placeholder(tf.float32, [8, 2])
+                loss = loss_fn(x, y)
+                with tf.control_dependencies(bn.updates):
+                    train = V1.train.AdamOptimizer(0.05).minimize(loss)
+                runs = [(train, {x: X[k], y: Y[k]}) for k in range(6)]
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                for op, feed in runs:
+                    sess.run(op, feed)
+                return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+    want = run(False)
+    out = {"moved": bool(np.any(want["bn/moving_mean"] != 0))}
+    for mode in ("unrolled", "while_loop"):
+        got = run(True, mode)
+        out[mode] = sorted(n for n in want if got[n].tobytes() != want[n].tobytes())
+    try:
+        run(True, update_ops=True)
+        out["refused"] = None
+    except ValueError as error:
+        out["refused"] = str(error)
+    print(json.dumps(out))
+""")
+
+
+def test_tf_keras_batch_norm_on_a_training_placeholder_with_update_ops_all(tmp_path):
+    """tf-keras BatchNormalization called with a `training` placeholder builds each moving
+    statistic's update as a cond whose branch assigns, not in UPDATE_OPS: refused by
+    default with the advice update_ops="all", which then runs the conds (it used to run
+    only plain writes, and the refusal sent the user round in a circle); bitwise with
+    the canonical tf-keras single step (its `layer.updates` before minimize)."""
+    script = tmp_path / "tf_keras_bn.py"
+    script.write_text(TF_KERAS_BN)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["moved"]
+    assert out["unrolled"] == [] and out["while_loop"] == [], out
+    assert "update_ops='all'" in out["refused"] and "conds holding the writes" in out["refused"]
