@@ -298,6 +298,14 @@ def _stale_message(step, used, var, read_op, *, name, loop=False):
         why = (f"It was built outside the step (outside loss_fn, or from "
                f"a tensor made once), so TensorFlow evaluates it once per sess.run and every "
                f"inner step would reuse the value of '{var}' from before the run")
+    graph = used.graph
+    held = [key for key in graph.get_all_collection_keys() if isinstance(key, str) and any(
+        getattr(x, "op", x) is used for x in graph.get_collection(key))]
+    if held:
+        why += (f". It came through the graph collection {', '.join(map(repr, held))}: "
+                f"every step's loss_fn sees the collection as it was before step 1, with the "
+                f"step's own additions, so an item added outside loss_fn is one tensor, made "
+                f"once")
     return (
         f"{name}: inner step {step} uses {where}, which {order}. "
         f"{why}: a silently wrong result. Fix: build everything that reads a trained variable inside "

@@ -57,6 +57,7 @@ class Step:
     tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
     rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
     forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
+    collections: object = None  # _Collections: the graph's collections before step 1
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -73,10 +74,9 @@ class Step:
         tape = (tf.GradientTape(watch_accessed_variables=False)
                 if local and self.tape_may_serve else None)
         with tf.control_dependencies(deps):
-            updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
-            known_updates = len(updates)
             if first:
                 self.names = _NameCounters.read()
+                self.collections = _Collections.read(graph)
             if callable(args):
                 with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
                     args = args()
@@ -84,16 +84,15 @@ class Step:
                   _reuse_variables(not first or self.rebuild),
                   contextlib.nullcontext() if first else self.names.restored(),
                   _scopes_moved(graph, None if first else self.forward_scope, forward_scope),
+                  self.collections.per_step(graph, first, self.label, step) as added,
                   tape or contextlib.nullcontext()):
                 if first:
                     self.forward_scope = forward_scope
                 if tape is not None:
                     tape.watch(self.var_list)
                 loss = _call_loss_fn(self.loss_fn, args, step)
-            collected = [_as_op(u) for u in updates[known_updates:]]
+            collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
             _STEP_UPDATES.setdefault(graph, set()).update(collected)
-            if not first:  # the collection keeps one step's update ops, as a single-step graph has
-                del updates[known_updates:]
             initializers = _initializers(self.guard.created[created:])
             created = len(self.guard.created)
             forward = graph.get_operations()[first_op:]
@@ -784,6 +783,86 @@ def _reuse_variables(reuse):
         return contextlib.nullcontext()
     return tf.compat.v1.variable_scope(
         tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
+
+
+# Collections of variables (made by step 1 alone), and of other things than ops and tensors.
+_VARIABLE_COLLECTIONS = frozenset({
+    tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+    tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES, tf.compat.v1.GraphKeys.MODEL_VARIABLES,
+    tf.compat.v1.GraphKeys.MOVING_AVERAGE_VARIABLES, tf.compat.v1.GraphKeys.METRIC_VARIABLES,
+    tf.compat.v1.GraphKeys.CONCATENATED_VARIABLES, tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
+    tf.compat.v1.GraphKeys.RESOURCES, tf.compat.v1.GraphKeys.LOCAL_RESOURCES})
+
+
+@dataclasses.dataclass
+class _Collections:
+    """The graph's collections of ops and tensors (``UPDATE_OPS``, the ``'losses'`` of the
+    CIFAR-10 tutorial's ``tf.add_to_collection('losses', ...)`` and
+    ``tf.add_n(tf.get_collection('losses'))``, ``tf.compat.v1.losses``' ``LOSSES``) as
+    they were before step 1, so that each step's ``loss_fn`` sees the collections a
+    single step's would: those from before, and its own additions. Step k's would
+    otherwise follow step 1's, and a sum over the collection would add step 1's terms,
+    computed from the weights before the run, to step k's. After each step the
+    collections are put back as step 1 left them (a single-step graph's)."""
+
+    before: dict  # key -> items before step 1
+    first_added: dict = dataclasses.field(default_factory=dict)  # key -> items step 1 added
+
+    @classmethod
+    def read(cls, graph):
+        return cls({key: list(graph.get_collection(key)) for key in _op_collections(graph)})
+
+    @contextlib.contextmanager
+    def per_step(self, graph, first, label, step):
+        """Around one step's ``loss_fn``; yields ``{key: items this step added}``."""
+        added = {}
+        kept = {key: list(graph.get_collection(key)) for key in _op_collections(graph)}
+        if not first:
+            for key, items in self.first_added.items():
+                # A lazily evaluated item (get_variable's regularizer term) makes its ops
+                # anew, in the step, wherever it is used: it stays.
+                graph.get_collection_ref(key)[:] = self.before.get(key, []) + [
+                    x for x in items if not _made(x)]
+        start = {key: len(graph.get_collection(key)) for key in _op_collections(graph)}
+        yield added
+        for key in _op_collections(graph):
+            items = graph.get_collection_ref(key)
+            added[key] = items[start.get(key, 0):]
+            if not first:  # back as step 1 left them
+                items[:] = kept.get(key, [])
+        added = {key: items for key, items in added.items() if items}
+        if first:
+            self.first_added = dict(added)
+            return
+        for key, items in self.first_added.items():
+            items = [x for x in items if _made(x)]
+            if len([x for x in added.get(key, ()) if _made(x)]) != len(items):
+                names = ", ".join(f"'{getattr(x, 'name', x)}'" for x in items[:3])
+                raise ValueError(
+                    f"{label}: step 1's loss_fn added {len(items)} item(s) to the graph "
+                    f"collection '{key}' ({names}), inner step {step}'s added "
+                    f"{len(added.get(key, ()))}. Each step sees the collections as a single "
+                    f"step would, its own terms in them, so every step must add its own: a "
+                    f"term made once, when step 1 created a variable (a layer's "
+                    f"kernel_regularizer puts its penalty in 'regularization_losses' then), "
+                    f"would be missing from every later step, or read the weights from "
+                    f"before the run. Compute such a term inside loss_fn from the weights "
+                    f"(e.g. 0.01 * tf.reduce_sum(tf.square(kernel)) for kernel_regularizer="
+                    f"l2(0.01), added to the loss in place of get_regularization_loss()).")
+
+
+def _op_collections(graph):
+    """The keys of ``graph``'s collections that may hold a step's ops and tensors (not
+    variables, nor v1 control flow's contexts)."""
+    return [key for key in graph.get_all_collection_keys()
+            if isinstance(key, str) and key not in _VARIABLE_COLLECTIONS
+            and not any(type(x).__name__.endswith("Context") for x in graph.get_collection(key))]
+
+
+def _made(item):
+    """Whether a collection's ``item`` was made once: not a ``_LazyEvalTensor`` (what
+    ``get_variable(regularizer=...)`` adds), which makes its ops where it is used."""
+    return type(item).__name__ != "_LazyEvalTensor"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -342,3 +342,77 @@ def test_a_counter_written_after_apply_and_read_in_a_cond_reads_this_runs_value(
                          after_apply=after_apply)
     assert want["count"] == 6.0
     assert_bitwise(got, want)
+
+
+def cifar_losses(x, y):
+    """The CIFAR-10 tutorial's idiom: weight decay and the data loss added to the 'losses'
+    collection, the loss their sum over the collection."""
+    w = V1.get_variable("dense/kernel", initializer=rng_init((3, 2)))
+    V1.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(w), 0.004, name="weight_loss"))
+    V1.add_to_collection("losses", tf.reduce_mean(tf.square(tf.matmul(x, w) - y), name="data"))
+    return tf.add_n(V1.get_collection("losses"), name="total_loss")
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_terms_added_to_a_collection_are_each_steps_own(mode):
+    """Step k's tf.get_collection('losses') holds step k's terms (it used to hold step 1's
+    too: refused as a stale forward pass 'built outside loss_fn'), bitwise with canonical
+    single steps; the collection keeps one step's terms, as a single-step graph's."""
+    want = single_steps(cifar_losses, OPTIMIZERS["Momentum"], 6)
+    with tf.Graph().as_default():
+        gs = V1.train.get_or_create_global_step()
+        xs, ys = V1.placeholder(tf.float32, [3, 8, 3]), V1.placeholder(tf.float32, [3, 8, 2])
+        unrolled = ms.unroll(cifar_losses, OPTIMIZERS["Momentum"](), 3, inputs=(xs, ys),
+                             global_step=gs, mode=mode)
+        assert [t.op.name for t in V1.get_collection("losses")] == [
+            "multistep/step_1/forward/weight_loss", "multistep/step_1/forward/data"]
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for r in range(2):
+                sess.run(unrolled.train_op, {xs: X[3 * r:3 * r + 3], ys: Y[3 * r:3 * r + 3]})
+            assert_bitwise(values(), want)
+
+
+def test_a_term_made_once_in_a_collection_is_refused_naming_it():
+    """A layer's kernel_regularizer makes its penalty once, when step 1 creates the kernel
+    (into 'regularization_losses'); get_regularization_loss() in later steps would miss
+    it. Refused naming the collection and the fix (it used to be called a forward pass
+    'built outside loss_fn', which it was not)."""
+    built = []
+
+    def loss_fn():
+        w = V1.get_variable("w", [3, 2])
+        if not built:  # as a tf.compat.v1.layers layer builds its kernel and penalty, once
+            built.append(w)
+            V1.add_to_collection(V1.GraphKeys.REGULARIZATION_LOSSES, 0.01 * tf.reduce_sum(tf.square(w)))
+        return tf.reduce_sum(tf.square(w)) + V1.losses.get_regularization_loss()
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=(
+            r"added 1 item\(s\) to the graph collection 'regularization_losses'.*inner step 2's "
+            r"added 0.*kernel_regularizer")):
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
+
+
+def test_a_stale_tensor_from_a_collection_is_named_with_it():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=rng_init((3, 2)))
+        V1.add_to_collection("penalties", tf.reduce_sum(tf.square(w), name="made_once"))
+        with pytest.raises(ms.StaleForwardError, match=(
+                r"'made_once'.*came through the graph collection 'penalties'")):
+            ms.unroll(lambda: tf.reduce_sum(w) + tf.add_n(V1.get_collection("penalties")),
+                      V1.train.GradientDescentOptimizer(0.1), 3)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_get_variables_regularizer_is_each_steps_own(mode):
+    """get_variable(regularizer=) puts a lazily evaluated term in 'regularization_losses':
+    each use makes its ops anew, so get_regularization_loss() in step k reads step k's
+    weights; bitwise with canonical single steps."""
+    def loss_fn(x, y):
+        w = V1.get_variable("dense/kernel", initializer=rng_init((3, 2)),
+                            regularizer=lambda v: 0.01 * tf.reduce_sum(tf.square(v)))
+        return tf.reduce_mean(tf.square(tf.matmul(x, w) - y)) + V1.losses.get_regularization_loss()
+
+    want = single_steps(loss_fn, OPTIMIZERS["Adam"], 6)
+    got, _ = fused_steps(loss_fn, OPTIMIZERS["Adam"], 3, 2, mode=mode)
+    assert_bitwise(got, want)
