@@ -154,6 +154,13 @@ def check_dangling(ops, end, *, exempt, name, step):
     for op in ops:
         if (op not in reached and op not in exempt and op.type not in _READ_OPS
                 and getattr(op, "_is_stateful", False)):
+            if "/after_apply/" in op.name:
+                raise ValueError(
+                    f"{name}: after_apply builds the stateful op '{op.name}' ({op.type})"
+                    f"{built_at(op)} at inner step {step}, but does not return it, so it would "
+                    f"never run. Return it from after_apply (an op, a tensor or a list of them, "
+                    f"e.g. after_apply=lambda: [w.assign(tf.clip_by_norm(w, 1.0))]): what "
+                    f"after_apply returns runs after each step's apply, before the next step.")
             raise ValueError(
                 f"{name}: inner step {step} builds the stateful op '{op.name}' ({op.type})"
                 f"{built_at(op)}, but "

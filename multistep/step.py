@@ -736,9 +736,27 @@ class CreationGuard:
                 self._prefix = None
 
     def __call__(self, next_creator, **kwargs):
-        if self.step != 1:
+        name = kwargs.get("name")
+        if tf.compat.v1.GraphKeys.METRIC_VARIABLES in (kwargs.get("collections") or ()):
             raise ValueError(
-                f"loss_fn created variable {kwargs.get('name')!r} at inner step "
+                f"a tf.compat.v1.metrics function in a fused step creates its accumulators "
+                f"({name!r}) at every call, and each inner step calls it anew: it cannot "
+                f"accumulate across the steps. Compute the metric outside the steps, over "
+                f"what a run returns (e.g. tf.compat.v1.metrics.mean(unrolled.losses), its "
+                f"update op run with the train op), or accumulate in a variable made before "
+                f"ms.unroll, through UPDATE_OPS inside loss_fn (total.assign_add(...)).")
+        if self.step != 1:
+            who = "after_apply" if (self._prefix or "").endswith("/after_apply/") else "loss_fn"
+            if "ExponentialMovingAverage" in str(name):
+                raise ValueError(
+                    f"{who} created variable {name!r} at inner step {self.step}: "
+                    f"ExponentialMovingAverage.apply on a tensor (a loss) makes a shadow "
+                    f"variable named after that tensor, and every step's tensor is a new one. "
+                    f"Average a tensor in a variable of your own made before ms.unroll, "
+                    f"e.g. avg.assign(0.9 * avg + 0.1 * loss) added to UPDATE_OPS inside "
+                    f"loss_fn; ema.apply(var_list) of variables (in after_apply) works as is.")
+            raise ValueError(
+                f"{who} created variable {name!r} at inner step "
                 f"{self.step}; variables must be created on the first call and "
                 f"reused after (create Keras layers outside loss_fn, use "
                 f"tf.compat.v1.get_variable, or create the variables before ms.unroll).")

@@ -416,3 +416,50 @@ def test_get_variables_regularizer_is_each_steps_own(mode):
     want = single_steps(loss_fn, OPTIMIZERS["Adam"], 6)
     got, _ = fused_steps(loss_fn, OPTIMIZERS["Adam"], 3, 2, mode=mode)
     assert_bitwise(got, want)
+
+
+def test_tf_compat_v1_metrics_in_loss_fn_are_refused_once_with_a_fix_that_works():
+    """A metric in loss_fn makes its accumulators at every call: it used to be refused as a
+    dangling update op (advice: add it to UPDATE_OPS), then, added there, as a variable
+    made at step 2 (advice: create variables once): a circle. Refused at once, with a fix
+    that is checked here: the metric over unrolled.losses, outside the steps."""
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        V1.metrics.mean(w * w)
+        return w * w
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"tf.compat.v1.metrics.*'total'"):
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.25), 3)
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        unrolled = ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.25), 3)
+        mean, update = V1.metrics.mean(unrolled.losses)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            sess.run([unrolled.train_op, update])
+            assert sess.run(mean) == np.float32((1 + 0.25 + 0.0625) / 3)
+
+
+def test_an_ema_of_a_tensor_in_after_apply_is_refused_naming_after_apply():
+    last = []
+
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        last[:] = [w * w]
+        return last[0]
+
+    ema = tf.train.ExponentialMovingAverage(0.9)
+    with tf.Graph().as_default(), pytest.raises(
+            ValueError, match=r"^after_apply created variable .*ExponentialMovingAverage.apply on a tensor"):
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, after_apply=lambda: ema.apply(last))
+
+
+def test_an_after_apply_op_not_returned_is_refused_saying_return_it():
+    def after():
+        [w] = V1.trainable_variables()
+        w.assign(w * 0.5)
+        return None
+
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"after_apply builds .*does not return it.*Return it"):
+        ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
+                  V1.train.GradientDescentOptimizer(0.1), 2, after_apply=after)
