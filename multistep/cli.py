@@ -132,7 +132,8 @@ def _parser():
                         help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it")
     verify.add_argument("--steps", type=_positive, default=3)
     verify.add_argument("--runs", type=_positive, default=4)
-    verify.add_argument("--atol", type=float, default=0.0, help="allowed max |Δ| (default 0: exact)")
+    verify.add_argument("--atol", type=_non_negative_float, default=0.0,
+                        help="allowed max |Δ| (default 0: exact)")
     verify.add_argument("--explain", action="store_true",
                         help="also say whether every inner step executed a single step's kernels "
                              "(always said when the runs diverge or the kernels differ)")
@@ -174,15 +175,17 @@ def _parser():
     return parser
 
 
-def _positive_number(convert, what):
-    """An argparse type: ``convert(text)``, required to be > 0."""
+def _positive_number(convert, what, zero=False):
+    """An argparse type: ``convert(text)``, required to be > 0 (>= 0 with ``zero``): a bad
+    value is a usage error naming the option, before TensorFlow loads."""
     def parse(text):
         try:
             value = convert(text)
         except ValueError:
             value = None
-        if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {text!r}")
+        if value is None or not (value >= 0 if zero else value > 0):
+            bound = ">= 0" if zero else "> 0"
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
         return value
     return parse
 
@@ -193,6 +196,7 @@ _positive = _positive_number(int, "an integer")
 def _steps_or_auto(text):
     return "auto" if text == "auto" else _positive(text)
 _positive_float = _positive_number(float, "a number")
+_non_negative_float = _positive_number(float, "a number", zero=True)
 
 
 def _blob_transforms(args):

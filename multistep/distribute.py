@@ -126,7 +126,10 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
         # A record (the applied gradient's norm, the learning rate) is the same in every
         # replica: this worker's first replica's, not reduced.
         records = dict(first.records)
-        train_op = tf.group(*[u.train_op for u in built], name=first.name.split("/")[-1] + "_train")
+        # As ms.unroll's: a no-op right after the steps' ends (what the losses wait for), not
+        # tf.group's per-device no-ops, so that ms.hooks tell the runs that train.
+        with tf.control_dependencies([end for u in built for end in u.train_op.control_inputs]):
+            train_op = tf.no_op(name=first.name.split("/")[-1] + "_train")
     return Unrolled(train_op=train_op, losses=losses, steps=steps,
                     var_list=_distributed(first.var_list, strategy), name=first.name,
                     records=records, global_step=first.global_step,

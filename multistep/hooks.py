@@ -6,9 +6,12 @@ instead:
 
     TensorFlow's hook                 with an ms.unroll train op
     StopAtStepHook(last_step=L)       ms.hooks.StopAtStepHook(unrolled, L): shortens the last run
+    StopAtStepHook(num_steps=S)       ms.hooks.StopAtStepHook(unrolled, num_steps=S)
     SummarySaverHook(save_steps=S)    ms.hooks.StepSummaryHook(unrolled, dir, S): a point per step
     LoggingTensorHook(every_n_iter=S) ms.hooks.LoggingHook(unrolled, S): a line per S steps
     NanTensorHook(loss)               ms.hooks.NanHook(unrolled): checks the N losses
+    FinalOpsHook(final_ops)           ms.hooks.FinalOpsHook(unrolled, final_ops): unrolled.losses
+                                      as the last run left them (TensorFlow's would run N steps)
     CheckpointSaverHook, StepCounterHook   ms.hooks.steps_per_run_aware(hook, unrolled)
     (none)                            ms.hooks.AutoStepsHook(unrolled): chooses N between runs
     (none)                            ms.hooks.InputExhaustedHook(unrolled): says where a
@@ -22,7 +25,10 @@ These hooks add fetches only to runs that train (whose fetches depend on
 global step) runs no step. From the ``[n]`` losses and records of a run and the
 global step read after it they know every step's global step, without an extra
 ``sess.run``. They build that read in ``begin()``, before MonitoredSession
-finalizes the graph.
+finalizes the graph. An optimizer may skip a step's increment of the global step
+(a loss-scale optimizer does when the gradients overflow): then, from the global
+step before and after the run, they know the global step of the run's last step,
+and of the others only when the run advanced it by all its steps or by none.
 """
 
 import collections
@@ -36,16 +42,17 @@ import tensorflow as tf
 
 from multistep.unroll import Unrolled
 
-__all__ = ["AutoStepsHook", "InputExhaustedHook", "LoggingHook", "NanHook", "NonFiniteLossError",
-           "StepSummaryHook", "StopAtStepHook", "monitored_training_session",
+__all__ = ["AutoStepsHook", "FinalOpsHook", "InputExhaustedHook", "LoggingHook", "NanHook",
+           "NonFiniteLossError", "StepSummaryHook", "StopAtStepHook", "monitored_training_session",
            "steps_per_run_aware"]
 
 V1 = tf.compat.v1
 logging = V1.logging
 
-Run = collections.namedtuple("Run", "first_step losses records")
+Run = collections.namedtuple("Run", "steps losses records")
 Run.__doc__ = """One training run: ``losses[k]`` and ``records[name][k]`` belong to the
-inner step whose apply made the global step ``first_step + k`` (None without a global step)."""
+inner step after whose apply the global step was ``steps[k]`` (None where the run does not
+tell: see ``_steps``; ``steps`` is None without a global step)."""
 
 
 class _Runs:
@@ -65,6 +72,7 @@ class _Runs:
                 f"ms.unroll(..., global_step=tf.compat.v1.train.get_or_create_global_step()).")
         self.unrolled = unrolled
         self._step_after = None  # the global step, read after the run's last step
+        self._before = None  # the global step before the next run (None: not known)
         self._trains = {}  # the op names a run fetches -> whether they run train_op
         self.training = False
 
@@ -79,6 +87,13 @@ class _Runs:
                 tf.control_dependencies([unrolled.train_op]):
             self._step_after = tf.identity(unrolled.global_step.read_value(),
                                            name="global_step_after_run")
+
+    def start(self, session):
+        """Reads the global step as a session starts (None without one); runs count from it."""
+        if self.unrolled.global_step is None:
+            return None
+        self._before = int(session.run(self.unrolled.global_step))
+        return self._before
 
     def before(self, run_context):
         self.training = self._runs_train(run_context.original_args.fetches)
@@ -95,13 +110,14 @@ class _Runs:
             return None
         losses = np.asarray(results["losses"]).reshape(-1)
         records = {k: np.asarray(v).reshape(-1) for k, v in results["records"].items()}
-        first = None
+        steps = None
         if self.unrolled.global_step is not None:
             last = results.get("global_step")
             if last is None:  # the graph was finalized before begin(): read it now
                 last = session.run(self.unrolled.global_step)
-            first = int(last) - len(losses) + 1
-        return Run(first, losses, records)
+            steps = _steps(self._before, int(last), len(losses))
+            self._before = int(last)
+        return Run(steps, losses, records)
 
     def _runs_train(self, fetches):
         """Whether ``fetches`` (any nest of ops, tensors and names) depend on train_op."""
@@ -119,6 +135,25 @@ class _Runs:
         if key not in self._trains:
             self._trains[key] = _depends_on(ops, self.unrolled.train_op)
         return self._trains[key]
+
+
+def _steps(before, last, n):
+    """The global step after each of a run's ``n`` steps (None where not known), from the
+    global step ``before`` the run (None: not known) and ``last``, after it.
+
+    A step advances the global step by one, or by none when its optimizer skips the
+    increment (a loss-scale optimizer, when the gradients overflow), and the run does not
+    record which steps did: a run that advanced it by all ``n`` or by none tells every
+    step's; one in between only the last one's. A run that finds it advanced by more than
+    ``n`` (another program shares the global step) or moved back, or whose start is not
+    known, counts back from ``last``, one a step.
+    """
+    if before is None or not 0 <= last - before < n:
+        return list(range(last - n + 1, last + 1))
+    # After step k (from 0) it advanced at most k + 1 times, and the steps after it at
+    # most once each: known where the two bounds meet.
+    bounds = ((max(before, last - (n - 1 - k)), min(last, before + k + 1)) for k in range(n))
+    return [low if low == high else None for low, high in bounds]
 
 
 def _depends_on(ops, train_op):
@@ -153,11 +188,11 @@ class _StepTimer:
         self.every = every
         self.last = None
 
-    def select(self, first_step, count):
+    def select(self, steps):
+        """The indices in ``steps`` (a run's global steps; None: not known) to act on."""
         chosen = []
-        for k in range(count):
-            step = first_step + k
-            if self.last is None or step >= self.last + self.every:
+        for k, step in enumerate(steps):
+            if step is not None and (self.last is None or step >= self.last + self.every):
                 chosen.append(k)
                 self.last = step
         return chosen
@@ -165,6 +200,11 @@ class _StepTimer:
 
 class StopAtStepHook(V1.train.SessionRunHook):
     """Stops training with the global step exactly ``last_step``, shortening the last run.
+
+    As TensorFlow's ``StopAtStepHook``, it takes exactly one of ``last_step`` and
+    ``num_steps``; ``num_steps`` counts from the global step read when the first
+    session is created (``after_create_session``): a session re-created after an
+    error keeps that ``last_step``.
 
     Before a run that trains, if fewer than ``unrolled.steps`` steps are left, it
     lowers ``unrolled.steps_per_run`` to what is left (never raises it: another hook,
@@ -185,12 +225,18 @@ class StopAtStepHook(V1.train.SessionRunHook):
                 sess.run(unrolled.train_op)
     """
 
-    def __init__(self, unrolled, last_step):
+    def __init__(self, unrolled, last_step=None, *, num_steps=None):
         self._runs = _Runs(unrolled, "StopAtStepHook")
-        if isinstance(last_step, bool) or not isinstance(last_step, numbers.Integral) \
-                or last_step < 0:
-            raise ValueError(f"StopAtStepHook: last_step must be an int >= 0, got {last_step!r}.")
-        self._last_step = int(last_step)
+        if (last_step is None) == (num_steps is None):  # TensorFlow's messages
+            raise ValueError("StopAtStepHook: " + (
+                "One of num_steps or last_step must be specified." if last_step is None else
+                "Only one of num_steps or last_step can be specified."))
+        for name, value in (("last_step", last_step), ("num_steps", num_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, numbers.Integral) or value < 0):
+                raise ValueError(f"StopAtStepHook: {name} must be an int >= 0, got {value!r}.")
+        self._last_step = None if last_step is None else int(last_step)
+        self._num_steps = None if num_steps is None else int(num_steps)
         self._step = None  # the global step now, as the last run left it
 
     def begin(self):
@@ -198,7 +244,9 @@ class StopAtStepHook(V1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         unrolled = self._runs.unrolled
-        self._step = int(session.run(unrolled.global_step))
+        self._step = self._runs.start(session)
+        if self._last_step is None:
+            self._last_step = self._step + self._num_steps
         left = self._last_step - self._step
         if left <= 0:
             coord.request_stop()
@@ -226,7 +274,7 @@ class StopAtStepHook(V1.train.SessionRunHook):
     def after_run(self, run_context, run_values):
         run = self._runs.after(run_values.results, run_context.session)
         if run is not None:
-            self._step = run.first_step + len(run.losses) - 1
+            self._step = run.steps[-1]
         if self._step >= self._last_step:
             run_context.request_stop()
 
@@ -236,6 +284,9 @@ class _RunsHook(V1.train.SessionRunHook):
 
     def begin(self):
         self._runs.begin()
+
+    def after_create_session(self, session, coord):
+        self._runs.start(session)
 
     def before_run(self, run_context):
         return self._runs.before(run_context)
@@ -247,12 +298,16 @@ class _RunsHook(V1.train.SessionRunHook):
 
 class _EveryNStepsHook(_RunsHook):
     """The protocol the per-step hooks share: fetch the run's ``[n]`` vectors, then hand
-    the inner steps chosen every ``every_n_steps`` to ``_emit(global_step, values)``."""
+    the inner steps chosen every ``every_n_steps`` to ``_emit(global_step, values)``.
+    A step whose global step is not known (its optimizer skipped increments) is left out:
+    written at a guessed step, its value would be placed where it does not belong."""
 
     def __init__(self, unrolled, every_n_steps, who):
         self._runs = _Runs(unrolled, who)
         self._every = _every(every_n_steps, who)
+        self._who = who
         self._timer = None
+        self._told = False
 
     def begin(self):
         super().begin()
@@ -263,8 +318,17 @@ class _EveryNStepsHook(_RunsHook):
         if run is None:
             return
         series = {"loss": run.losses, **run.records}
-        for k in self._timer.select(run.first_step, len(run.losses)):
-            self._emit(run.first_step + k, {tag: values[k] for tag, values in series.items()})
+        for k in self._timer.select(run.steps):
+            self._emit(run.steps[k], {tag: values[k] for tag, values in series.items()})
+        unknown = run.steps.count(None)
+        if unknown and not self._told:
+            self._told = True
+            logging.warning(
+                "%s: a run of %d steps advanced the global step by fewer than %d, to %d (its "
+                "optimizer skipped increments, as a loss-scale optimizer does when the gradients "
+                "overflow), and which steps did is not recorded: the values of the %d steps whose "
+                "global step is not known are left out, here and in any such run.", self._who,
+                len(run.steps), len(run.steps), run.steps[-1], unknown)
         self._emitted()
 
     def _emit(self, global_step, values):
@@ -365,8 +429,8 @@ class NanHook(_RunsHook):
             return
         k = int(bad[0])
         where = f"inner step {k + 1} of {len(run.losses)}"
-        if run.first_step is not None:
-            where += f" (global step {run.first_step + k})"
+        if run.steps is not None and run.steps[k] is not None:
+            where += f" (global step {run.steps[k]})"
         message = (f"{self._runs.unrolled.name}: loss = {run.losses[k]} at {where}; "
                    f"{bad.size} of the run's {len(run.losses)} losses are not finite.")
         if self._fail:
@@ -374,6 +438,55 @@ class NanHook(_RunsHook):
             raise NonFiniteLossError(message)
         logging.warning(message)
         run_context.request_stop()
+
+
+class FinalOpsHook(_RunsHook):
+    """TensorFlow's ``FinalOpsHook`` for an N-step train op: ``final_ops_values`` holds
+    ``final_ops`` (a tensor, list or dict) as training left them, and ``end()`` trains no step.
+
+    Fetching ``unrolled.losses`` runs N steps, so TensorFlow's hook, which fetches its
+    ops at ``end()``, would train N steps past the stop. Here ``unrolled.losses`` and
+    the ``unrolled.records`` tensors get the values the last training run returned
+    (fetched with that run, as every hook here fetches them; None if no run trained):
+    ``[n]``, the last n steps' values. The other ops run at ``end()``, as TensorFlow's
+    hook runs them; any of them that would train is a ``ValueError``.
+    """
+
+    def __init__(self, unrolled, final_ops, final_ops_feed_dict=None):
+        self._runs = _Runs(unrolled, "FinalOpsHook", needs_global_step=False)
+        self._final_ops, self._feed = final_ops, final_ops_feed_dict
+        # What a run returns, by tensor name: "loss" and each record.
+        self._from_run = {unrolled.losses.name: "loss",
+                          **{t.name: key for key, t in unrolled.records.items()}}
+        trains = [getattr(op, "name", op) for op in tf.nest.flatten(final_ops)
+                  if getattr(op, "name", None) not in self._from_run and self._runs._runs_train(op)]
+        if trains:
+            raise ValueError(
+                f"FinalOpsHook: fetching {', '.join(map(str, trains))} at end() would run "
+                f"{unrolled.name}'s steps again (it depends on its train op). Pass "
+                f"unrolled.losses or an unrolled.records tensor itself (this hook gives the "
+                f"last run's values), or ops that only read variables.")
+        self._last = {}
+        self._final_ops_values = None
+
+    @property
+    def final_ops_values(self):
+        return self._final_ops_values
+
+    def after_run(self, run_context, run_values):
+        run = self._run(run_context, run_values)
+        if run is not None:
+            self._last = {"loss": run.losses, **run.records}
+
+    def end(self, session):
+        if self._final_ops is None:
+            return
+        flat = tf.nest.flatten(self._final_ops)
+        keys = [self._from_run.get(getattr(op, "name", None)) for op in flat]
+        ran = iter(session.run([op for op, key in zip(flat, keys) if key is None],
+                               feed_dict=self._feed))
+        self._final_ops_values = tf.nest.pack_sequence_as(
+            self._final_ops, [next(ran) if key is None else self._last.get(key) for key in keys])
 
 
 class InputExhaustedHook(V1.train.SessionRunHook):
@@ -398,7 +511,7 @@ class InputExhaustedHook(V1.train.SessionRunHook):
         self._runs.begin()
 
     def after_create_session(self, session, coord):
-        self._step = int(session.run(self._runs.unrolled.global_step))
+        self._step = self._runs.start(session)
         self._pending = None
 
     def before_run(self, run_context):
@@ -410,7 +523,7 @@ class InputExhaustedHook(V1.train.SessionRunHook):
     def after_run(self, run_context, run_values):
         run = self._runs.after(run_values.results, run_context.session)
         if run is not None:
-            self._step = run.first_step + len(run.losses) - 1
+            self._step = run.steps[-1]
         self._pending = None
 
     def end(self, session):

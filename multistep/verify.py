@@ -76,6 +76,10 @@ class Report:
       plain_max_abs_diff: with ``xla``, the max |Δ| between the fused XLA program and
         plain (uncompiled) single steps, over the same variables and losses; information,
         not a verdict. Else None.
+      data_order: why the two builds may read their data in different orders (their
+        ``tf.data`` pipeline draws at random without a seed, or with seeds that differ
+        between them), or None. A divergence is then no verdict on the training code;
+        the summary says so, and how to seed the pipeline.
     """
 
     steps: int
@@ -92,6 +96,7 @@ class Report:
     explain: bool = False
     xla: bool = False
     plain_max_abs_diff: object = None
+    data_order: object = None
 
     @property
     def ok(self):
@@ -115,6 +120,8 @@ class Report:
             first = (run - 1) * self.steps + 1
             line += (f"; first divergence in run {run} (global steps {first}-"
                      f"{first + self.steps - 1}) at {name!r}")
+            if self.data_order is not None:
+                line += "\n" + self.data_order
         if self.plain_max_abs_diff is not None:
             line += (f"\nagainst plain single steps (no XLA): max |Δ| = "
                      f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
@@ -149,7 +156,11 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         current default graph; ``unrolled`` has ``train_op`` and ``losses``
         (as ``ms.unroll`` returns); ``feed`` is a feed dict, or a callable
         ``feed(run) -> dict`` for run 0, 1, ... of that graph, where fused run
-        ``r`` covers global steps ``r*steps ... r*steps + steps - 1``.
+        ``r`` covers global steps ``r*steps ... r*steps + steps - 1``. Initialisers
+        that need a placeholder (a ``tf.data`` iterator over
+        ``Dataset.from_tensor_slices(placeholder)``) run with ``feed`` (``feed(0)``).
+        Seed any ``tf.data`` shuffle or random op: unseeded, the two builds read their
+        data in different orders (the report says so).
       steps: inner steps per fused run (>= 1).
       runs: fused runs to compare (>= 1).
       atol: allowed max |Δ|; 0.0 asks for exact equality.
@@ -233,7 +244,7 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
                       single_losses=np.concatenate(single_losses),
                       final_values=fused_values, kernels=difference,
                       same_kernels=same_kernels, explain=bool(explain), xla=bool(xla),
-                      plain_max_abs_diff=plain_diff)
+                      plain_max_abs_diff=plain_diff, data_order=_data_order(fused, single))
     finally:
         for program in (fused, single, plain):
             if program is not None:
@@ -289,8 +300,27 @@ class _Program:
             self._init = [tf.compat.v1.global_variables_initializer(), _local_init_op()]
             self.graph.finalize()
         self.session = tf.compat.v1.Session(graph=self.graph, config=config)
+        feed = self._init_feed()
         for op in self._init:  # variables first: local init ops may read them
-            self.session.run(op)
+            self.session.run(op, feed)
+
+    def _init_feed(self):
+        """The feed the initialisers run with: none where they need no placeholder, else
+        the build's feed (run 0's, where it is a callable). A ``tf.data`` iterator made from
+        a placeholder (``Dataset.from_tensor_slices(ph)``) is initialised with the value
+        that feed gives it, as the user's own ``sess.run(iterator.initializer, feed)``."""
+        if not _unfed_placeholders(self._init, {}):
+            return None
+        feed = (self.feed(0) if callable(self.feed) else self.feed) or {}
+        missing = _unfed_placeholders(self._init, feed)
+        if missing:
+            raise ValueError(
+                f"build_fn({self.steps})'s graph cannot be initialised: its initialisers "
+                f"(of the variables, tables and tf.data iterators) need placeholder(s) "
+                f"{missing} fed, and the feed build_fn returned does not give them. Return "
+                f"their values in it, e.g. (unrolled, {{data_placeholder: data}}): verify "
+                f"runs the initialisers with that feed (with feed(0), where it is a callable).")
+        return feed
 
     def run(self, index):
         feed = self.feed(index) if callable(self.feed) else self.feed
@@ -302,6 +332,23 @@ class _Program:
 
     def values(self):
         return self.session.run(self._reads)
+
+    def data_seeds(self):
+        """(what, (seed, seed2)) of each random draw of the input pipeline, in the order
+        built: the graph's ops that take seed and seed2 tensors (``Dataset.shuffle``,
+        ``Dataset.random``), and the random ops of the functions its datasets call (a
+        ``map``'s augmentation). (0, 0) asks TensorFlow for a fresh seed each time."""
+        ops = [op for op in self.graph.get_operations() if _seed_inputs(op)]
+        seeds = self.session.run([_seed_inputs(op) for op in ops])
+        found = [(f"{op.type} {op.name!r}", tuple(int(s) for s in pair))
+                 for op, pair in zip(ops, seeds)]
+        for function in _pipeline_functions(self.graph):
+            # The function's name without TensorFlow's prefix and per-process counter.
+            called = re.sub(r"^__inference_|_\d+$", "", function.signature.name)
+            found += [(f"{node.op} in {called}", (node.attr["seed"].i, node.attr["seed2"].i))
+                      for node in function.node_def
+                      if "seed" in node.attr and "seed2" in node.attr]
+        return found
 
     def load(self, values):
         self.session.run(self._load, {self._placeholders[n]: values[n] for n in self._placeholders})
@@ -326,6 +373,79 @@ def _local_init_op():
         tf.compat.v1.local_variables_initializer(), tf.compat.v1.tables_initializer()]
     iterators = [op for op in graph.get_operations() if op.type == "MakeIterator"]
     return tf.group(*ops, *iterators, name="multistep_verify_local_init")
+
+
+def _unfed_placeholders(ops, feed):
+    """The names of the placeholders (without a default) that running ``ops`` needs and
+    ``feed`` does not give: what the run would fail on ("You must feed a value")."""
+    fed = {getattr(t, "name", t) for key in feed
+           for t in tf.nest.flatten(key, expand_composites=True)}
+    missing, seen, stack = set(), set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type == "Placeholder":
+            missing.add(op.name)
+        stack.extend(t.op for t in op.inputs if t.name not in fed)
+        stack.extend(op.control_inputs)
+    return sorted(missing)
+
+
+def _seed_inputs(op):
+    """The seed and seed2 input tensors of a ``tf.data`` op (or seed generator) that
+    takes them, else None."""
+    if "Dataset" not in op.type and "SeedGenerator" not in op.type:
+        return None
+    args = op.op_def.input_arg
+    names = [a.name for a in args]
+    if "seed" not in names or "seed2" not in names:
+        return None
+    if any(a.number_attr or a.type_list_attr for a in args[:names.index("seed2")]):
+        return None  # a list input before them: the input indices are not the arguments'
+    return op.inputs[names.index("seed")], op.inputs[names.index("seed2")]
+
+
+def _pipeline_functions(graph):
+    """The FunctionDefs that the graph's ``tf.data`` ops call (map, filter, interleave
+    functions, a one-shot iterator's factory), and those they call, in the order found."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+    def called(node_def):
+        for attr in node_def.attr.values():
+            if attr.HasField("func"):
+                yield attr.func.name
+            yield from (f.name for f in attr.list.func)
+
+    queue = [name for op in graph.get_operations()
+             if "Dataset" in op.type or "Iterator" in op.type for name in called(op.node_def)]
+    found = {}
+    while queue:
+        name = queue.pop(0)
+        if name in library and name not in found:
+            found[name] = library[name]
+            queue += [n for node in library[name].node_def for n in called(node)]
+    return list(found.values())
+
+
+def _data_order(fused, single):
+    """Why the two builds may read their data in different orders, or None: their
+    input pipelines draw at random unseeded, or with seeds that differ between them."""
+    a, b = fused.data_seeds(), single.data_seeds()
+    unseeded = sorted({what for what, seeds in a + b if seeds == (0, 0)})
+    if unseeded:
+        why = f"{', '.join(unseeded)} without a seed: each build draws its own"
+    elif [seeds for _, seeds in a] != [seeds for _, seeds in b]:
+        why = f"with seeds that differ between the {fused.steps}-step and the 1-step build"
+    else:
+        return None
+    return (f"data order: the two builds read their data in different orders (their input "
+            f"pipeline draws at random, {why}), so this divergence may come from the data "
+            f"alone and is no verdict on the training code. Fix: seed the pipeline, seed= on "
+            f"its shuffle and random ops (dataset.shuffle(buffer, seed=0)), or call "
+            f"tf.compat.v1.set_random_seed(0) inside build_fn (verify builds each model in a "
+            f"fresh graph, which a seed set outside build_fn does not reach), and verify again")
 
 
 def _name(variable):

@@ -118,6 +118,20 @@ def test_verify_bad_target(target, message):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("option,message", [
+    (["--atol", "-1"], "argument --atol: expected a number >= 0, got '-1'"),
+    (["--atol", "nan"], "argument --atol: expected a number >= 0, got 'nan'"),
+    (["--steps", "0"], "argument --steps: expected an integer > 0, got '0'"),
+    (["--runs", "-2"], "argument --runs: expected an integer > 0, got '-2'"),
+])
+def test_verify_bad_option_is_a_usage_error(option, message):
+    # Not "could not run FILE:FN" (the model is fine): argparse's usage error, exit 2.
+    result = multistep("verify", "examples/verify_my_model.py:build", *option)
+    assert result.returncode == 2
+    assert "usage: multistep verify" in result.stderr and message in result.stderr, result.stderr
+    assert "could not run" not in result.stderr
+
+
 def test_console_script_is_installed():
     # The README installs the package; its console script must be on PATH next to python.
     script = shutil.which("multistep", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])

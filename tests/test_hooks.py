@@ -8,9 +8,12 @@ operations in the same order, so there is no tolerance to state.
 """
 
 import glob
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -48,12 +51,12 @@ def dataset(start=0, stop=BATCHES, x=X):
     return tf.data.Dataset.from_tensor_slices((x[start:stop], Y[start:stop]))
 
 
-def single_step_graph(data, model=loss_fn):
+def single_step_graph(data, model=loss_fn, optimizer=None):
     """The canonical TF1 step: (train_op, loss); summaries of loss and gradient norm."""
     gs = V1.train.get_or_create_global_step()
     x, y = V1.data.make_one_shot_iterator(data).get_next()
     loss = model(x, y)
-    opt = V1.train.AdamOptimizer(0.05)
+    opt = optimizer or V1.train.AdamOptimizer(0.05)
     grads = opt.compute_gradients(loss)
     train = opt.apply_gradients(grads, global_step=gs)
     V1.summary.scalar("loss", loss)
@@ -62,9 +65,9 @@ def single_step_graph(data, model=loss_fn):
     return train, loss
 
 
-def fused_graph(data, steps, mode="while_loop", model=loss_fn, **options):
-    unrolled = ms.unroll(model, V1.train.AdamOptimizer(0.05), steps, inputs=data, mode=mode,
-                         global_step=V1.train.get_or_create_global_step(),
+def fused_graph(data, steps, mode="while_loop", model=loss_fn, optimizer=None, **options):
+    unrolled = ms.unroll(model, optimizer or V1.train.AdamOptimizer(0.05), steps, inputs=data,
+                         mode=mode, global_step=V1.train.get_or_create_global_step(),
                          record=("grad_norm",), **options)
     keep_every_checkpoint()
     return unrolled
@@ -227,8 +230,8 @@ def test_set_steps_per_run_refuses_what_it_cannot_do():
 
 def test_xla_loop_takes_the_run_length_at_run_time():
     with tf.Graph().as_default():
-        x = V1.placeholder(tf.float32, [7, B, D])
-        y = V1.placeholder(tf.int32, [7, B])
+        x = V1.placeholder(tf.float32, [None, B, D])  # a run takes one batch per step it does
+        y = V1.placeholder(tf.int32, [None, B])
         gs = V1.train.get_or_create_global_step()
         unrolled = ms.unroll(loss_fn, V1.train.AdamOptimizer(0.05), 7, inputs=(x, y),
                              mode="while_loop", xla=True, global_step=gs)
@@ -237,7 +240,7 @@ def test_xla_loop_takes_the_run_length_at_run_time():
             total = 0
             for n in (7, 1, 3):
                 unrolled.set_steps_per_run(sess, n)
-                assert unrolled.run(sess, {x: X[:7], y: Y[:7]}).shape == (n,)
+                assert unrolled.run(sess, {x: X[:n], y: Y[:n]}).shape == (n,)
                 total += n
                 assert sess.run(gs) == total
 
@@ -347,6 +350,144 @@ def test_resuming_from_a_checkpoint_continues_bitwise(tmp_path):
         unrolled = fused_graph(dataset(22), 4)
         assert train([ms.hooks.StopAtStepHook(unrolled, 22)], unrolled.train_op,
                      checkpoint_dir=directory) == 0
+
+
+class PreemptOnce(V1.train.SessionRunHook):
+    """Raises AbortedError after the first run that reaches global step ``at``: the
+    MonitoredSession closes its session, creates a new one restored from the last checkpoint,
+    and calls every hook's after_create_session again."""
+
+    def __init__(self, at):
+        self.at, self.done = at, False
+
+    def begin(self):
+        self.global_step = V1.train.get_global_step()
+
+    def after_run(self, run_context, run_values):
+        if not self.done and run_context.session.run(self.global_step) >= self.at:
+            self.done = True
+            raise tf.errors.AbortedError(None, None, "preempted (test)")
+
+
+def test_stop_at_step_num_steps_counts_from_the_first_sessions_global_step(tmp_path):
+    """Train to 10; resume with num_steps=12: stop at 22, as TensorFlow's
+    StopAtStepHook(num_steps=12) on single steps. A preemption at 18 re-creates the session
+    from the checkpoint at 18: TensorFlow's hook keeps the last step it read at the first
+    session (22, not 18 + 12). Every checkpoint, bitwise the single steps'."""
+    def two_stages(name, fused):
+        directory = str(tmp_path / name)
+        for start, save_steps in ((0, 100), (10, 4)):
+            with tf.Graph().as_default():
+                if fused:
+                    unrolled = fused_graph(dataset(start), 4)
+                    fetch = unrolled.train_op
+                    stop = (ms.hooks.StopAtStepHook(unrolled, 10) if start == 0 else
+                            ms.hooks.StopAtStepHook(unrolled, num_steps=12))
+                    saver = ms.hooks.steps_per_run_aware(
+                        V1.train.CheckpointSaverHook(directory, save_steps=save_steps), unrolled)
+                else:
+                    fetch, _ = single_step_graph(dataset(start))
+                    stop = (V1.train.StopAtStepHook(last_step=10) if start == 0 else
+                            V1.train.StopAtStepHook(num_steps=12))
+                    saver = V1.train.CheckpointSaverHook(directory, save_steps=save_steps)
+                train([stop, saver, PreemptOnce(18)], fetch, checkpoint_dir=directory)
+        return checkpoints(directory)
+
+    single, fused = two_stages("single", False), two_stages("fused", True)
+    assert sorted(single) == sorted(fused) == [0, 10, 14, 18, 22]
+    for step in single:
+        assert_same_checkpoint(fused[step], single[step])
+
+
+def test_stop_at_step_takes_exactly_one_of_num_steps_and_last_step():
+    with tf.Graph().as_default():
+        unrolled = fused_graph(dataset(), 4)
+        with pytest.raises(ValueError, match="One of num_steps or last_step must be specified"):
+            ms.hooks.StopAtStepHook(unrolled)
+        with pytest.raises(ValueError, match="Only one of num_steps or last_step can be specified"):
+            ms.hooks.StopAtStepHook(unrolled, 10, num_steps=5)
+        for bad in (-1, 2.5, True):
+            with pytest.raises(ValueError, match="num_steps must be an int >= 0"):
+                ms.hooks.StopAtStepHook(unrolled, num_steps=bad)
+
+
+class GlobalStepAtEnd(V1.train.SessionRunHook):
+    """Listed after the hook under test: the global step once its end() has run."""
+
+    def begin(self):
+        self.global_step, self.value = V1.train.get_global_step(), None
+
+    def end(self, session):
+        self.value = session.run(self.global_step)
+
+
+def test_final_ops_hook_gives_the_last_runs_values_and_trains_no_step(tmp_path):
+    """TensorFlow's FinalOpsHook({"loss": unrolled.losses}) fetches the losses at end(), which
+    runs N more steps (stopped at 22, it left the global step at 26). ms.hooks.FinalOpsHook
+    gives the values the last run returned: that run was shortened to steps 21 and 22, whose
+    loss and gradient norm single steps wrote (SummarySaverHook); nothing trains at end(): the
+    checkpoint written after it is single steps' at 22, bitwise."""
+    single, single_summaries, _ = single_steps(tmp_path, 22, save_steps=100)
+    directory = str(tmp_path / "fused")
+    with tf.Graph().as_default():
+        unrolled = fused_graph(dataset(), 4)
+        final = ms.hooks.FinalOpsHook(unrolled, {
+            "loss": unrolled.losses, "grad_norm": unrolled.records["grad_norm"],
+            "step": unrolled.global_step})
+        trains = tf.identity(unrolled.losses)
+        with pytest.raises(ValueError, match=rf"fetching {re.escape(trains.name)} at end\(\) "
+                                             r"would run multistep's steps again"):
+            ms.hooks.FinalOpsHook(unrolled, [unrolled.global_step, trains])
+        at_end = GlobalStepAtEnd()
+        saver = ms.hooks.steps_per_run_aware(
+            V1.train.CheckpointSaverHook(directory, save_steps=100), unrolled)
+        train([ms.hooks.StopAtStepHook(unrolled, 22), final, at_end, saver], unrolled.train_op,
+              checkpoint_dir=directory)
+    values = final.final_ops_values
+    assert values["step"] == at_end.value == 22
+    for tag in ("loss", "grad_norm"):
+        want = np.float32([v for t, step, v in single_summaries if t == tag and step in (21, 22)])
+        assert values[tag].tobytes() == want.tobytes(), (tag, values[tag], want)
+    assert sorted(checkpoints(directory)) == [0, 22]
+    assert_same_checkpoint(checkpoints(directory)[22], single[22])
+
+
+def loss_scale_optimizer():
+    """Adam under a dynamic loss scale starting at 2**113: with the loss scaled by 2**20
+    (``big_loss``), the scaled gradients overflow float32 until the scale has halved 6
+    times, and each of those steps skips its apply and its increment of the global step."""
+    return V1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+        V1.train.AdamOptimizer(0.05),
+        loss_scale=V1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0 ** 113))
+
+
+def big_loss(x, y):
+    return loss_fn(x, y) * 2.0 ** 20
+
+
+def test_step_summaries_are_at_the_true_global_step_when_the_optimizer_skips_increments(tmp_path):
+    """Single steps with TensorFlow's SummarySaverHook(save_steps=1) write each step's loss at
+    the global step after it: 0 for the 6 skipped steps, then 1..10. Runs of 4 (16 steps to
+    reach 10): run 1 advanced the global step by none (steps 1-4: all at 0; every_n_steps=1
+    writes one point a global step, the first), run 2 by 2 of 4 (only its last step's is
+    known: step 8, at 2), runs 3 and 4 by 4 (steps 9-16 at 3..10). Before, the points were
+    placed back from the run's end: at global steps -3..10."""
+    directory = str(tmp_path / "single")
+    with tf.Graph().as_default():
+        train_op, _ = single_step_graph(dataset(), big_loss, loss_scale_optimizer())
+        train([V1.train.StopAtStepHook(last_step=10),
+               V1.train.SummarySaverHook(save_steps=1, output_dir=directory,
+                                         summary_op=V1.summary.merge_all())], train_op)
+    reference = summaries(directory, ("loss",))
+    assert [step for _, step, _ in reference] == [0] * 6 + list(range(1, 11))
+    directory = str(tmp_path / "fused")
+    with tf.Graph().as_default():
+        unrolled = fused_graph(dataset(), 4, model=big_loss, optimizer=loss_scale_optimizer(),
+                               nonfinite="ignore")  # the optimizer skips the overflowing steps
+        assert train([ms.hooks.StopAtStepHook(unrolled, 10),
+                      ms.hooks.StepSummaryHook(unrolled, directory)], unrolled.train_op) == 4
+    V1.summary.FileWriterCache.clear()
+    assert summaries(directory, ("loss",)) == [reference[k - 1] for k in (1, *range(8, 17))]
 
 
 def test_runs_that_do_not_train_run_no_step(tmp_path):
@@ -579,3 +720,146 @@ def test_hooks_refuse_bad_arguments():
             ms.hooks.AutoStepsHook(loop, target_seconds=0)
         with pytest.raises(ValueError, match="max_steps must be an int >= 1 or None"):
             ms.hooks.AutoStepsHook(loop, max_steps=0)
+
+
+# Under ms.distribute.unroll: MirroredStrategy over two logical CPUs, which must be configured
+# before a process's first session, so in a subprocess (as tests/test_distribute.py).
+
+DISTRIBUTED = r'''
+import json
+import glob
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.compat.v1.disable_eager_execution()
+tf.get_logger().setLevel("ERROR")
+import multistep as ms  # noqa: E402
+
+V1 = tf.compat.v1
+GLOBAL_BATCH, STEPS, LAST_STEP = 8, 4, 12
+rng = np.random.RandomState(0)
+X = rng.randn(20 * GLOBAL_BATCH, 3).astype(np.float32)
+Y = rng.randn(20 * GLOBAL_BATCH, 2).astype(np.float32)
+W0 = rng.randn(3, 2).astype(np.float32)
+
+
+class End(V1.train.SessionRunHook):
+    """Listed last: every copy of every variable once the other hooks' end() has run."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def end(self, session):
+        self.state = {f"{v.op.name}@{i}": session.run(local).tobytes().hex()
+                      for v in V1.global_variables()
+                      for i, local in enumerate(self.strategy.experimental_local_results(v))}
+
+
+def train(fused, directory):
+    with tf.Graph().as_default():
+        strategy = V1.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            w = V1.get_variable("w", initializer=W0, use_resource=True)
+            b = V1.get_variable("b", initializer=np.zeros(2, np.float32), use_resource=True)
+            gs = V1.train.get_or_create_global_step()
+
+        def loss_fn(x, y):  # one replica's half batch, over the global batch: summed, the whole
+            return tf.reduce_sum(tf.square(tf.matmul(x, w) + b - y)) / GLOBAL_BATCH
+
+        opt = V1.train.AdamOptimizer(0.1)
+        iterator = strategy.make_dataset_iterator(
+            tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL_BATCH))
+        if fused:
+            u = ms.distribute.unroll(strategy, loss_fn, opt, STEPS, inputs=iterator, global_step=gs)
+            final = ms.hooks.FinalOpsHook(u, {"loss": u.losses, "step": gs})
+            hooks = [ms.hooks.StopAtStepHook(u, LAST_STEP), ms.hooks.StepSummaryHook(u, directory),
+                     final]
+            run = u.run
+        else:
+            def step(x, y):  # the canonical single distributed step
+                loss = loss_fn(x, y)
+                with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
+                    train_op = opt.minimize(loss, global_step=gs)
+                with tf.control_dependencies([train_op]):
+                    return tf.identity(loss)
+
+            with strategy.scope():
+                per_replica = strategy.extended.call_for_each_replica(
+                    step, args=iterator.get_next())
+                loss = strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
+            V1.summary.scalar("loss", loss)
+            final = V1.train.FinalOpsHook({"step": gs})
+            hooks = [V1.train.StopAtStepHook(last_step=LAST_STEP),
+                     V1.train.SummarySaverHook(save_steps=1, output_dir=directory,
+                                               summary_op=V1.summary.merge_all()), final]
+            run = lambda sess: sess.run(loss)  # noqa: E731
+        end = End(strategy)
+        scaffold = V1.train.Scaffold(local_init_op=tf.group(V1.local_variables_initializer(),
+                                                            iterator.initializer))
+        runs = 0
+        with V1.train.MonitoredTrainingSession(
+                scaffold=scaffold, hooks=hooks + [end], save_checkpoint_secs=None,
+                save_summaries_steps=None, log_step_count_steps=None) as sess:
+            while not sess.should_stop() and runs < 20:  # 20: a bound for a hook that never stops
+                run(sess)
+                runs += 1
+    V1.summary.FileWriterCache.clear()
+    points = [[value.tag, event.step, value.simple_value]
+              for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*")))
+              for event in V1.train.summary_iterator(path)
+              for value in event.summary.value if value.tag == "loss"]
+    return {"runs": runs, "state": end.state, "summaries": points,
+            "final": {k: np.asarray(v).tolist() for k, v in final.final_ops_values.items()}}
+
+
+results = {"fused": train(True, os.path.join(sys.argv[1], "fused")),
+           "single": train(False, os.path.join(sys.argv[1], "single"))}
+print("RESULTS " + json.dumps(results))
+'''
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("distributed")
+    (directory / "cases.py").write_text(DISTRIBUTED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
+    done = subprocess.run([sys.executable, str(directory / "cases.py"), str(directory)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_distributed_stop_at_step_stops_where_single_distributed_steps_stop(distributed):
+    """unrolled.run(sess) under ms.distribute.unroll: the hooks see the runs that train (before,
+    StopAtStepHook(last_step=12) never stopped: 20 runs, global step 80). Three runs of 4,
+    then every copy of every variable bitwise that of 12 hand-written single distributed steps
+    stopped by TensorFlow's StopAtStepHook."""
+    fused, single = distributed["fused"], distributed["single"]
+    assert (fused["runs"], single["runs"]) == (3, 12)
+    assert sorted(fused["state"]) == sorted(single["state"])
+    assert "global_step@1" in fused["state"] and "w/Adam@1" in fused["state"]
+    differ = [name for name in fused["state"] if fused["state"][name] != single["state"][name]]
+    assert not differ, f"not bitwise equal: {differ}"
+
+
+def test_distributed_step_summaries_are_single_distributed_steps(distributed):
+    """StepSummaryHook against SummarySaverHook(save_steps=1) on the single steps' reduced loss:
+    the same (tag, global step, value) for steps 1..12."""
+    single = distributed["single"]["summaries"]
+    assert [step for _, step, _ in single] == list(range(1, 13))
+    assert distributed["fused"]["summaries"] == single
+
+
+def test_distributed_final_ops_hook_trains_no_step(distributed):
+    """FinalOpsHook: the global step at end() is 12, as TensorFlow's FinalOpsHook reads it for
+    single steps, and the losses are the last run's (steps 9..12, the single steps' values)."""
+    fused, single = distributed["fused"], distributed["single"]
+    assert fused["final"]["step"] == single["final"]["step"] == 12
+    assert fused["final"]["loss"] == [v for _, step, v in single["summaries"] if step > 8]

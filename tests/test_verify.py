@@ -143,6 +143,81 @@ def test_verify_initialises_tables_and_iterators_as_a_monitored_session_would():
     assert report.fused_losses[0] == 0.5  # looked up: key 3 -> 0.5, w = 1
 
 
+DATA = np.arange(24, dtype=np.float32).reshape(12, 2) / 10  # 6 batches of 2: 2 runs of 3 steps
+
+
+def dataset_loss(w):
+    return lambda x: tf.reduce_sum(tf.square(tf.linalg.matvec(x, w) - 1.0))
+
+
+def fed_dataset_build(steps, feed="dict"):
+    """An iterator over a dataset made from a placeholder, whose value is in the feed."""
+    data = V1.placeholder(tf.float32, [None, 2], name="data")
+    iterator = V1.data.make_initializable_iterator(tf.data.Dataset.from_tensor_slices(data).batch(2))
+    w = V1.get_variable("w", [2], initializer=V1.ones_initializer())
+    feeds = {"dict": {data: DATA}, "callable": lambda run: {data: DATA}, "none": {}}
+    return ms.unroll(dataset_loss(w), V1.train.GradientDescentOptimizer(0.01), steps,
+                     inputs=iterator), feeds[feed]
+
+
+@pytest.mark.parametrize("feed", ["dict", "callable"])
+def test_an_iterator_over_a_fed_placeholder_is_initialised_with_the_feed(feed):
+    report = ms.verify(lambda steps: fed_dataset_build(steps, feed), steps=3, runs=2)
+    assert report.ok and report.bitwise, report.summary()
+    # Reference: gradient descent in float64 over the 6 batches in order.
+    w, losses = np.ones(2), []
+    for x in DATA.astype(np.float64).reshape(6, 2, 2):
+        r = x @ w - 1.0
+        losses.append(np.sum(r * r))
+        w = w - 0.01 * 2.0 * x.T @ r
+    np.testing.assert_allclose(report.fused_losses, losses, rtol=1e-5)
+    np.testing.assert_allclose(report.final_values["w"], w, rtol=1e-5)
+
+
+def test_an_iterator_whose_placeholder_is_not_fed_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"need placeholder\(s\) \['data'\] fed, and the feed "
+                                         r"build_fn returned does not give them\. Return"):
+        ms.verify(lambda steps: fed_dataset_build(steps, "none"), steps=3, runs=2)
+
+
+def random_pipeline_build(steps, pipeline, graph_seed=None):
+    if graph_seed is not None:
+        V1.set_random_seed(graph_seed)
+    w = V1.get_variable("w", [2], initializer=V1.ones_initializer())
+    data = pipeline(tf.data.Dataset.from_tensor_slices(DATA)).batch(2)
+    return ms.unroll(dataset_loss(w), V1.train.GradientDescentOptimizer(0.01), steps,
+                     inputs=V1.data.make_initializable_iterator(data)), {}
+
+
+def unseeded_shuffle(data):
+    return data.shuffle(12)
+
+
+def unseeded_augmentation(data):
+    return data.map(lambda x: x + tf.random.uniform([2]))
+
+
+@pytest.mark.parametrize("pipeline,named", [
+    (unseeded_shuffle, "ShuffleDataset 'ShuffleDataset' without a seed"),
+    (unseeded_augmentation, "RandomUniform in Dataset_map_lambda without a seed")])
+def test_an_unseeded_input_pipeline_is_named_as_the_cause(pipeline, named):
+    report = ms.verify(lambda steps: random_pipeline_build(steps, pipeline), steps=3, runs=2)
+    assert not report.ok  # still no pass: the runs did differ
+    summary = report.summary()
+    assert "DIVERGED" in summary
+    assert "data order: the two builds read their data in different orders" in summary
+    assert named in report.data_order and "dataset.shuffle(buffer, seed=0)" in report.data_order
+    assert "tf.compat.v1.set_random_seed(0) inside build_fn" in report.data_order
+
+
+@pytest.mark.parametrize("pipeline,graph_seed", [
+    (lambda data: data.shuffle(12, seed=3), None), (unseeded_shuffle, 3), (unseeded_augmentation, 3)])
+def test_a_seeded_input_pipeline_reads_alike_in_both_builds(pipeline, graph_seed):
+    # A graph-level seed set inside build_fn is enough: each build's fresh graph gets it.
+    report = ms.verify(lambda steps: random_pipeline_build(steps, pipeline, graph_seed), steps=3, runs=2)
+    assert report.ok and report.bitwise and report.data_order is None, report.summary()
+
+
 @pytest.mark.parametrize("returned", [None, "x", (1, 2, 3)])
 def test_build_fn_must_return_unrolled_and_feed(returned):
     with pytest.raises(TypeError, match=r"build_fn\(.\) must return \(unrolled, feed_dict\)|needs .train_op"):
