@@ -277,7 +277,13 @@ class Step:
 
     def _skip(self):
         """A skipped step (``nonfinite="skip"``): advance the global step, count the skip."""
-        updates = [self.skipped.assign_add(1)]
+        count = self.skipped
+        if self.guard.lift:  # XLA takes initialised variables only (as `halted`)
+            updates = [count.assign_add(1)]
+        else:  # a local variable: the first skip of a session that did not initialise it
+            updates = [tf.cond(count.is_initialized(),
+                               lambda: count.assign_add(1, read_value=False),
+                               lambda: count.assign(1, read_value=False))]
         if self.global_step is not None:
             updates.append(self.global_step.assign_add(1))
         return tf.group(*updates)

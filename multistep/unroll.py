@@ -50,8 +50,10 @@ class Unrolled:
       var_list: the variables trained, in order.
       name: the name scope holding ``step_1`` ... ``step_N``.
       global_step: the global step variable, or None.
-      skipped_steps: with ``nonfinite="skip"``, an int64 variable counting the
-        steps skipped for non-finite values; else None.
+      skipped_steps: with ``nonfinite="skip"``, an int64 local variable counting the
+        steps skipped for non-finite values since ``local_variables_initializer()`` ran
+        (a checkpoint does not hold it, so one written by single steps restores; a
+        session that did not initialise it starts counting at the first skip); else None.
       steps_per_run: loop mode (``mode="while_loop"``, with or without XLA): the
         local int32 variable (``LOCAL_VARIABLES``, so never in a checkpoint)
         whose value is the number of steps the next runs make, ``1..steps``;
@@ -350,7 +352,10 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         if update_ops is not False:
             step_lib.warn_outside_updates(tf.compat.v1.get_default_graph(), label)
         if nonfinite == "skip":
-            step.skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_steps")
+            # Local, as steps_per_run: no checkpoint holds it, so a single step's restores.
+            step.skipped = tf.compat.v1.Variable(
+                0, dtype=tf.int64, trainable=False, use_resource=True, name="skipped_steps",
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
         feed = Inputs(inputs, steps, xla=xla and mode != "auto")
         why = None
         if mode == "auto" and _FORCED_XLA:  # ms.verify(..., xla=True): compiled, in a loop
