@@ -95,3 +95,25 @@ def test_random_initializers_do_not_warn():
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 2)
+
+
+def test_a_cond_ordered_only_through_its_data_inputs_is_stale(monkeypatch):
+    """Lowered, a cond's reads wait for the cond's control inputs and the inputs each uses,
+    not for all its inputs: a cond in step 2 whose order after step 1's apply comes only
+    through a data input (what tf.control_dependencies leaves it with) reads 'w' at the
+    start of the run. ms.unroll gives such conds the control input; without it (the
+    builder's ordering switched off here) the check refuses the graph, saying why."""
+    from multistep import step
+
+    monkeypatch.setattr(step, "_order_calls", lambda ops, deps: None)
+    with tf.Graph().as_default():
+        training = V1.placeholder_with_default(True, [])
+        w = V1.get_variable("w", [4, 1])
+
+        def loss_fn():
+            h = tf.matmul(tf.ones([4, 4]), w)  # an input built in the step
+            return tf.reduce_sum(tf.cond(training, lambda: h * tf.reduce_sum(w), lambda: h))
+
+        with pytest.raises(ms.StaleForwardError, match=r"reads it inside a cond, loop or function "
+                                                       r"call, which runs lowered"):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
