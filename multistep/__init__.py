@@ -19,7 +19,8 @@ _NAMES = {
     "add_noise": "transforms", "chain": "transforms", "clip_by_global_norm": "transforms",
     "clip_by_norm": "transforms", "clip_by_value": "transforms", "dedupe_sparse": "transforms",
     "scale": "transforms",
-    "distribute": None, "hooks": None, "kernels": None, "keras": None, "rules": None, "summaries": None,
+    "distribute": None, "hooks": None, "kernels": None, "keras": None, "rules": None,
+    "sampling": None, "summaries": None,
     "tf2": None,
 }
 __all__ = sorted(_NAMES)

@@ -21,10 +21,10 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ["ALIAS_OPS", "CALL_OPS", "StaleForwardError", "ancestors", "built_at", "captures", "check_captures",
-           "check_dangling", "check_step", "is_write", "order_as_built", "program_nodes",
-           "ref_variable_of",
-           "source_op", "user_stacklevel", "warn_random_under_xla",
+__all__ = ["ALIAS_OPS", "CALL_OPS", "StaleForwardError", "ancestors", "built_at", "captures",
+           "check_captures", "check_dangling", "check_step", "is_stateful_random", "is_write",
+           "order_as_built", "program_nodes", "ref_variable_of", "source_op",
+           "stateful_random_ops", "user_stacklevel", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables", "written_variables"]
 
 # Ops that take a variable as input without reading its value.
@@ -323,18 +323,47 @@ def _stale_message(step, used, var, read_op, *, name, loop=False):
     )
 
 
+def is_stateful_random(op):
+    """Whether ``op`` draws from a random stream that advances per kernel call (its
+    ``seed``/``seed2`` attributes only start it): dropout's ``RandomUniform``, the
+    ``*CandidateSampler`` ops of ``nce_loss`` and ``sampled_softmax_loss``,
+    ``RandomShuffle``, ``Multinomial``, ... Every stateful op TensorFlow registers with
+    those two attributes is one; stateless ops (``StatelessRandom*``) take their seed
+    as an input, and a ``tf.random.Generator``'s draws follow its state variable."""
+    if op.type in _STATEFUL_RANDOM_OPS:
+        return True
+    try:
+        op_def = op.op_def
+    except (AttributeError, ValueError):
+        return False
+    return op_def.is_stateful and {"seed", "seed2"} <= {a.name for a in op_def.attr}
+
+
+def stateful_random_ops(ops):
+    """The stateful random ops among ``ops``, as ``'name' (Type)`` strings, sorted."""
+    return sorted({f"'{op.name}' ({op.type})" for op in ops if is_stateful_random(op)})
+
+
+def _replacement(found):
+    if any("CandidateSampler" in what for what in found):
+        return ("For nce_loss and sampled_softmax_loss, pass sampled_values= from a "
+                "stateless sampler keyed on the global step: "
+                "ms.sampling.log_uniform_candidates(labels, num_sampled, num_classes, "
+                "seed=tf.stack([seed, global_step])) (the README shows it).")
+    return ("Use stateless ops keyed on the global step instead, e.g. "
+            "tf.random.stateless_uniform(shape, seed=tf.stack([seed, global_step])).")
+
+
 def warn_stateful_random(step_root, *, name):
-    """Warn when ``step_root`` depends on stateful random ops (e.g. dropout)."""
-    ops = sorted({op.name for op in _ancestors_postorder(step_root)
-                  if op.type in _STATEFUL_RANDOM_OPS})
-    if ops:
+    """Warn when ``step_root`` depends on stateful random ops (dropout, a candidate
+    sampler), naming them and the stateless replacement."""
+    found = stateful_random_ops(_ancestors_postorder(step_root))
+    if found:
         warnings.warn(
-            f"{name}: loss_fn uses stateful random ops ({', '.join(ops[:3])}"
-            f"{', ...' if len(ops) > 3 else ''}); their draws depend on how many "
+            f"{name}: loss_fn uses stateful random ops ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}); their draws depend on how many "
             f"sess.run calls were made, so fused and single-step results will "
-            f"differ and ms.verify will fail. Use stateless ops keyed on the global "
-            f"step instead, e.g. tf.random.stateless_uniform(shape, "
-            f"seed=tf.stack([seed, global_step])).",
+            f"differ and ms.verify will fail. {_replacement(found)}",
             RuntimeWarning, stacklevel=user_stacklevel())
 
 

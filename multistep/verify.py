@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from multistep import kernels as kernels_lib
+from multistep import lint
 
 from multistep.unroll import forced_xla
 from multistep.unroll import positive_int as _positive_int
@@ -76,6 +77,8 @@ class Report:
       plain_max_abs_diff: with ``xla``, the max |Δ| between the fused XLA program and
         plain (uncompiled) single steps, over the same variables and losses; information,
         not a verdict. Else None.
+      random_ops: the stateful random ops of the fused build's steps (``'name' (Type)``),
+        which draw otherwise fused than single; a divergence names them as its suspect.
       data_order: why the two builds may read their data in different orders (their
         ``tf.data`` pipeline draws at random without a seed, or with seeds that differ
         between them), or None. A divergence is then no verdict on the training code;
@@ -97,6 +100,7 @@ class Report:
     xla: bool = False
     plain_max_abs_diff: object = None
     data_order: object = None
+    random_ops: tuple = ()
 
     @property
     def ok(self):
@@ -122,6 +126,12 @@ class Report:
                      f"{first + self.steps - 1}) at {name!r}")
             if self.data_order is not None:
                 line += "\n" + self.data_order
+            if self.random_ops:
+                line += (f"\nsuspect: the steps draw with stateful random ops "
+                         f"({', '.join(self.random_ops[:3])}{', ...' if len(self.random_ops) > 3 else ''}), "
+                         f"whose draws depend on how many sess.run calls were made: fused "
+                         f"and single steps draw different numbers. Draw statelessly, keyed on "
+                         f"the global step (ms.unroll's build-time warning says how)")
         if self.plain_max_abs_diff is not None:
             line += (f"\nagainst plain single steps (no XLA): max |Δ| = "
                      f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
@@ -244,7 +254,8 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
                       single_losses=np.concatenate(single_losses),
                       final_values=fused_values, kernels=difference,
                       same_kernels=same_kernels, explain=bool(explain), xla=bool(xla),
-                      plain_max_abs_diff=plain_diff, data_order=_data_order(fused, single))
+                      plain_max_abs_diff=plain_diff, data_order=_data_order(fused, single),
+                      random_ops=_random_ops(fused))
     finally:
         for program in (fused, single, plain):
             if program is not None:
@@ -427,6 +438,13 @@ def _pipeline_functions(graph):
             found[name] = library[name]
             queue += [n for node in library[name].node_def for n in called(node)]
     return list(found.values())
+
+
+def _random_ops(program):
+    """The stateful random ops a fused run depends on, once per op of a step (step k
+    written ``step_k``)."""
+    found = lint.stateful_random_ops(lint.ancestors([getattr(program.fetch[0], "op", program.fetch[0])]))
+    return tuple(dict.fromkeys(re.sub(r"/step_\d+/", "/step_k/", what) for what in found))
 
 
 def _data_order(fused, single):
