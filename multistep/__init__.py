@@ -12,7 +12,7 @@ import types
 # Public name -> the submodule that defines it (a submodule itself maps to None).
 _NAMES = {
     "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
-    "unroll": "unroll",
+    "unroll": "unroll", "phase": "phases",
     "Report": "verify", "session_config": "verify", "verify": "verify",
     "RuleOptimizer": "rules",
     "StaleForwardError": "lint",

@@ -58,6 +58,8 @@ class Step:
     rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
     forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
     collections: object = None  # _Collections: the graph's collections before step 1
+    before_apply: list = None  # the last build's loss, outputs and gradients
+    apply_scope: str = None  # the last build's apply name scope
 
     def build(self, k, args, deps):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
@@ -138,7 +140,12 @@ class Step:
                 finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
         elif self.guard.lift:  # compiled (XLA), nonfinite="ignore" (or mode="auto"'s trial)
             finite, otherwise = _opaque_true(), tf.no_op
-        with self.guard.scope("apply"), tf.control_dependencies([loss, *outputs.values()]):
+        # What a phase run beside this one (phases="simultaneous") orders its apply after.
+        self.before_apply = [loss, *outputs.values()] + [
+            g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in grads_and_vars
+            if g is not None]
+        with (self.guard.scope("apply") as self.apply_scope,
+              tf.control_dependencies([loss, *outputs.values()])):
             if self.nonfinite == "skip" or self.guard.lift:
                 return outputs, self._apply_if(finite, grads_and_vars, otherwise)
             with self._slots_scope(k):
@@ -170,6 +177,12 @@ class Step:
         """
         graph = tf.compat.v1.get_default_graph()
         grads_and_vars = None
+        if callable(self.var_list):  # a phase's: the variables its first loss_fn call made
+            found = tuple(self.var_list())
+            if not found or not all(isinstance(v, tf.Variable) for v in found):
+                raise TypeError(f"a phase's var_list() must return a non-empty list of "
+                                f"variables, got {found!r}.")
+            self.var_list = found
         if isinstance(k, int) and k == 1 and any(
                 op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW for op in forward):
             # A cond or call: a tape would name its gradient otherwise (or, over v1 control

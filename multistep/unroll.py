@@ -25,6 +25,7 @@ import weakref
 import tensorflow as tf
 
 from multistep import auto, lint, transforms
+from multistep import phases as phases_lib
 from multistep import step as step_lib
 from multistep.inputs import Inputs
 from multistep.choices import MODES
@@ -197,17 +198,23 @@ class GraphTooLargeError(ValueError):
 # In a strategy's call_for_each_replica, AutoGraph converts the function it runs and
 # what that calls; the builder is plain Python over graph ops, and runs as written.
 @tf.autograph.experimental.do_not_convert
-def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transforms=(),
+def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, grad_transforms=(),
            global_step=None, update_ops=True, after_apply=None, mode="unrolled", xla=False,
            record=(), nonfinite="raise", gate_gradients=GATE_OP, aggregation_method=None,
-           colocate_gradients_with_ops=False, grad_loss=None, name="multistep"):
+           colocate_gradients_with_ops=False, grad_loss=None, phases="chained", name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
       loss_fn: callable ``(*step_inputs) -> scalar float loss``. Called once per
         inner step, so it must build the forward pass (not reuse a tensor built
         outside). Variables it creates on the first call (``get_variable``,
-        Keras layers) are reused on later calls.
+        Keras layers) are reused on later calls. Or a list of ``ms.phase(loss_fn,
+        optimizer, var_list=...)``: several phases per inner step (a GAN's
+        discriminator and generator), run in order (``phases``); ``optimizer`` and
+        ``var_list`` stay unset, each phase has its own; ``losses`` is the last
+        phase's, ``records["loss/<phase name>"]`` each phase's; the last phase
+        advances ``global_step``; ``after_apply`` runs after the last phase. Not with
+        XLA, ``mode="auto"``, ``record``, ``nonfinite="skip"`` or a strategy.
       optimizer: a ``tf.compat.v1.train.Optimizer``; one set of slots serves all
         steps. A callable learning rate is re-evaluated at every inner step.
       steps: N >= 1: the steps of one run; in loop mode the most a run makes
@@ -278,6 +285,12 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         but their defaults, every step takes its gradients with
         ``compute_gradients``, which walks all earlier steps: the build then
         grows as N^2 in unrolled mode.
+      phases: with several phases, ``"chained"``: each phase reads the variables after
+        the previous phase's apply (the single step that builds ``g_train`` under
+        ``control_dependencies([d_train])``); ``"simultaneous"``: every phase's loss
+        and gradients read the variables as the step found them, then every phase
+        applies (the single step that applies both under ``control_dependencies``
+        of both gradients).
       name: name scope; steps appear as
         ``name/step_k/{forward,gradients,transform,apply,after_apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
@@ -317,8 +330,17 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             "`with tf.Graph().as_default():` or after "
             "tf.compat.v1.disable_eager_execution().")
     steps = positive_int("steps", steps)
-    _check_loss_fn(loss_fn)
-    _check_optimizer(optimizer)
+    phased = phases_lib.parse(loss_fn, optimizer, var_list, phases)
+    for one in ([(loss_fn, optimizer)] if phased is None
+                else [(p.loss_fn, p.optimizer) for p in phased[0]]):
+        _check_loss_fn(one[0])
+        _check_optimizer(one[1])
+    if phased is not None:
+        optimizer = phased[0][-1].optimizer  # for the checks below
+        if xla or mode == "auto" or record or nonfinite == "skip" or step_lib.in_replica_context():
+            raise ValueError(
+                "several phases build with mode='unrolled' or 'while_loop', without XLA, "
+                "record, nonfinite='skip' or a strategy (not yet supported there).")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
@@ -341,11 +363,23 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
         gradient_options["colocate_gradients_with_ops"] = True
     if grad_loss is not None:
         gradient_options["grad_loss"] = grad_loss
-    step = step_lib.Step(
-        loss_fn, optimizer, _check_var_list(var_list), _check_global_step(global_step),
-        _check_transforms(grad_transforms), step_lib.CreationGuard(tf.compat.v1.get_default_graph()),
-        _check_record(record, optimizer), nonfinite, update_ops=update_ops, after_apply=after_apply,
-        gradient_options=gradient_options)
+    guard = step_lib.CreationGuard(tf.compat.v1.get_default_graph())
+    transform, global_step = _check_transforms(grad_transforms), _check_global_step(global_step)
+    if phased is None:
+        step = step_lib.Step(
+            loss_fn, optimizer, _check_var_list(var_list), global_step, transform, guard,
+            _check_record(record, optimizer), nonfinite, update_ops=update_ops,
+            after_apply=after_apply, gradient_options=gradient_options)
+    else:
+        items, names = phased
+        step = phases_lib.Phased([step_lib.Step(
+            p.loss_fn, p.optimizer,
+            p.var_list if callable(p.var_list) else _check_var_list(p.var_list),
+            global_step if p is items[-1] else None, transform, guard, (), nonfinite,
+            update_ops=update_ops, after_apply=after_apply if p is items[-1] else None,
+            gradient_options=dict(gradient_options)) for p in items], names, phases)
+    graph = tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations())
 
     with tf.name_scope(name) as scope, tf.compat.v1.variable_creator_scope(step.guard):
         label = step.label = scope.rstrip("/")
@@ -430,11 +464,40 @@ def unroll(loss_fn, optimizer, steps, *, var_list=None, inputs=None, grad_transf
             outputs, last = steps_1_to_n(count)
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
+    _warn_racing(graph, graph.get_operations()[first_op:], step.written, label)
     return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,
                     mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length)
+
+
+# Per graph: (label, variables written, variables read) of each ms.unroll built in it.
+_BUILT = weakref.WeakKeyDictionary()
+
+
+def _warn_racing(graph, ops, written, label):
+    """Warn when this build writes state an earlier ``ms.unroll`` in the graph reads or
+    writes, or reads state it writes: fetched in one ``sess.run``, the two would be two
+    chains of steps that nothing orders against each other."""
+    read = {source for op in ops for source in map(lint.source_op, op.inputs)
+            if source.type in ("VarHandleOp", "VariableV2")}
+    written = set(written)
+    for other, other_written, other_read in _BUILT.get(graph, []):
+        shared = (written & (other_written | other_read)) | (read & other_written)
+        if shared:
+            names = ", ".join(sorted(f"'{op.name}'" for op in shared)[:4])
+            warnings.warn(
+                f"{label} and {other} (built before it in this graph) touch the same state, "
+                f"one writing what the other reads or writes ({names}). Fetched in one "
+                f"sess.run, their train ops are two chains of steps that nothing orders "
+                f"against each other: which step reads which weights would change from run to "
+                f"run. Run them in separate sess.run calls, or build one ms.unroll with a "
+                f"phase each: ms.unroll([ms.phase(d_loss, d_opt, var_list=D), "
+                f"ms.phase(g_loss, g_opt, var_list=G)], steps=N).",
+                RuntimeWarning, stacklevel=lint.user_stacklevel())
+            break
+    _BUILT.setdefault(graph, []).append((label, written, read))
 
 
 def _chain(step, feed, steps, end, watched, label, first_seconds):

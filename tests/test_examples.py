@@ -13,6 +13,8 @@ EXPECTED = {  # a line each example must print: evidence it did its job
     "batch_norm.py": "(weights, slots, moving statistics): all bitwise equal",
     "blobs_three_steps.py": "refused: ",
     "ema_and_projection.py": "OK",
+    "gan.py": "simultaneous: 20 steps of D then G (4 runs of 5) against single steps: max |Δ| = 0 "
+              "(bitwise equal)",  # exit 1 unless the chained steps are bitwise too
     "verify_my_model.py": "(bitwise equal)",
     "monitored_training.py": "same checkpoint steps, same per-step summaries, weights and slots "
                              "bitwise equal; resumed run bitwise equal",

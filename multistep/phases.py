@@ -1,0 +1,160 @@
+"""Several phases per inner step: a GAN's discriminator and generator updates, each its
+own loss, optimizer and variables, in one fused step.
+
+``ms.unroll([ms.phase(d_loss_fn, d_opt, var_list=D), ms.phase(g_loss_fn, g_opt,
+var_list=G)], steps=N)`` builds N inner steps, each running the phases in order:
+
+    phases="chained" (default)   phase p reads the variables after phase p-1's apply:
+                                 the single step ``d_train = d_opt.minimize(d_loss)``, then
+                                 ``g_train`` built under ``control_dependencies([d_train])``
+    phases="simultaneous"        every phase's loss and gradients read the variables as
+                                 the step found them, then every phase applies: the
+                                 single step that computes both gradients, then applies
+                                 both under ``control_dependencies`` of all of them
+
+Why one ``ms.unroll`` and not one per optimizer: two fused train ops fetched in one
+``sess.run`` are two chains of N steps with nothing ordering one against the other,
+so which phase of which step reads which weights is left to the executor (a race);
+one builder orders them. Each phase is a ``Step`` of its own (forward, update ops,
+gradients, transforms, apply), the steps' machinery unchanged.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from multistep import lint
+
+__all__ = ["ORDERS", "Phase", "Phased", "phase"]
+
+ORDERS = ("chained", "simultaneous")
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of an inner step: ``loss_fn(*step_inputs)`` descended with ``optimizer``
+    over ``var_list`` (default: the trainable variables its loss depends on)."""
+
+    loss_fn: object
+    optimizer: object
+    var_list: object = None
+    name: str = None
+
+
+def phase(loss_fn, optimizer, *, var_list=None, name=None):
+    """A phase of ``ms.unroll([...], steps)``: its loss function, optimizer and variables.
+
+    ``var_list``: the variables it trains: a list, or a callable returning one, called
+    after the phase's first ``loss_fn`` call (for variables that call creates, e.g.
+    ``lambda: tf.compat.v1.trainable_variables("generator")``); default: every
+    trainable variable its loss depends on.
+
+    ``name`` names its scope (``multistep/step_k/<name>/forward``, ...) and its per-step
+    losses, ``unrolled.records["loss/<name>"]``; default ``phase_1``, ``phase_2``, ...
+
+    Example:
+      >>> import tensorflow as tf, multistep as ms
+      >>> with tf.Graph().as_default():
+      ...     a, b = tf.Variable(1.0), tf.Variable(2.0)
+      ...     sgd = tf.compat.v1.train.GradientDescentOptimizer
+      ...     u = ms.unroll([ms.phase(lambda: a * b, sgd(0.5), var_list=[a], name="a"),
+      ...                    ms.phase(lambda: a * b, sgd(0.5), var_list=[b], name="b")], steps=2)
+      ...     with tf.compat.v1.Session() as sess:
+      ...         sess.run(tf.compat.v1.global_variables_initializer())
+      ...         print(sess.run([u.records["loss/a"], u.records["loss/b"]]), *sess.run([a, b]))
+      [array([2., 0.], dtype=float32), array([ 0., -2.], dtype=float32)] -1.0 2.5
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"ms.phase: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    return Phase(loss_fn, optimizer, var_list, name)
+
+
+class Phased:
+    """The phases' ``Step``s, built as one inner step; what ``ms.unroll``'s chaining
+    (unrolled or loop) asks of a step."""
+
+    def __init__(self, steps, names, order):
+        self.steps, self.names, self.order = steps, names, order
+        self.record = tuple(f"loss/{n}" for n in names)  # the per-step outputs besides "loss"
+        self.skipped = self.halted = None
+        self.rebuild = False
+
+    @property
+    def guard(self):
+        return self.steps[0].guard  # one creation guard for every phase
+
+    @property
+    def label(self):
+        return self.steps[0].label
+
+    @label.setter
+    def label(self, value):
+        for step in self.steps:
+            step.label = value
+
+    @property
+    def global_step(self):
+        return self.steps[-1].global_step  # the last phase advances it, once a step
+
+    @property
+    def var_list(self):
+        return tuple(v for step in self.steps for v in (step.var_list or ()))
+
+    @property
+    def written(self):
+        return {op: name for step in self.steps for op, name in step.written.items()}
+
+    def state(self):
+        return list(dict.fromkeys(v for step in self.steps for v in step.state()))
+
+    def build(self, k, args, deps):
+        """Inner step ``k``: every phase after ``deps``, in order (see the module)."""
+        if callable(args):
+            with tf.control_dependencies(deps), tf.name_scope("inputs"):
+                args = args()  # once: every phase takes the step's batch
+        outputs, ends, after = {}, [], list(deps)
+        for step, name in zip(self.steps, self.names):
+            with tf.name_scope(name):
+                out, end = step.build(k, args, deps=after)
+            outputs[f"loss/{name}"] = out["loss"]
+            ends.append(end)
+            if self.order == "chained":
+                after = [end]
+        if self.order == "simultaneous":
+            _apply_after_every_gradient(self.steps)
+        outputs["loss"] = outputs[f"loss/{self.names[-1]}"]
+        with tf.control_dependencies(ends):
+            return outputs, tf.no_op(name="phases_done")
+
+
+def _apply_after_every_gradient(steps):
+    """Order every write of each phase's apply after every other phase's loss and
+    gradients (what their reads feed): the phases then all read the weights as the
+    step found them."""
+    graph = tf.compat.v1.get_default_graph()
+    for step in steps:
+        before = [t.op for other in steps if other is not step for t in other.before_apply]
+        for op in graph.get_operations():
+            if op.name.startswith(step.apply_scope) and lint.is_write(op):
+                op._add_control_inputs([b for b in before if b not in op.control_inputs])
+
+
+def parse(loss_fn, optimizer, var_list, order):
+    """The phases ``ms.unroll`` was given (a list of ``ms.phase``), checked; or None
+    when ``loss_fn`` is one loss function."""
+    if not isinstance(loss_fn, (list, tuple)):
+        if order != "chained":
+            raise ValueError(f"phases={order!r} needs a list of ms.phase(...) as loss_fn.")
+        return None
+    if not loss_fn or not all(isinstance(p, Phase) for p in loss_fn):
+        raise TypeError("ms.unroll takes one loss function, or a list of ms.phase(loss_fn, "
+                        "optimizer, var_list=...) (several phases per step).")
+    if optimizer is not None or var_list is not None:
+        raise TypeError("with phases, each ms.phase(...) takes its optimizer and var_list; "
+                        "ms.unroll's optimizer and var_list stay unset.")
+    if order not in ORDERS:
+        raise ValueError(f"phases must be one of {ORDERS}, got {order!r}.")
+    names = [p.name or f"phase_{i + 1}" for i, p in enumerate(loss_fn)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"ms.phase names must differ, got {names}.")
+    return list(loss_fn), names
