@@ -132,7 +132,7 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
             train_op = tf.no_op(name=first.name.split("/")[-1] + "_train")
     return Unrolled(train_op=train_op, losses=losses, steps=steps,
                     var_list=_distributed(first.var_list, strategy), name=first.name,
-                    records=records, global_step=first.global_step,
+                    records=records, global_step=first.global_step, summaries=first.summaries,
                     _batches_first=from_iterator)
 
 

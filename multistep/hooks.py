@@ -49,10 +49,11 @@ __all__ = ["AutoStepsHook", "FinalOpsHook", "InputExhaustedHook", "LoggingHook",
 V1 = tf.compat.v1
 logging = V1.logging
 
-Run = collections.namedtuple("Run", "steps losses records")
-Run.__doc__ = """One training run: ``losses[k]`` and ``records[name][k]`` belong to the
-inner step after whose apply the global step was ``steps[k]`` (None where the run does not
-tell: see ``_steps``; ``steps`` is None without a global step)."""
+Run = collections.namedtuple("Run", "steps losses records summaries")
+Run.__doc__ = """One training run: ``losses[k]``, ``records[name][k]`` and ``summaries[k]``
+(the serialized summaries ``loss_fn`` built, where fetched; else ``summaries`` is None)
+belong to the inner step after whose apply the global step was ``steps[k]`` (None where the
+run does not tell: see ``_steps``; ``steps`` is None without a global step)."""
 
 
 class _Runs:
@@ -75,6 +76,10 @@ class _Runs:
         self._before = None  # the global step before the next run (None: not known)
         self._trains = {}  # the op names a run fetches -> whether they run train_op
         self.training = False
+        self._summaries = False  # fetch unrolled.summaries (StepSummaryHook)
+
+    def fetch_summaries(self):
+        self._summaries = True
 
     def begin(self):
         """Builds the read of the global step after the run (MonitoredSession calls the
@@ -100,6 +105,8 @@ class _Runs:
         if not self.training:
             return None
         fetches = {"losses": self.unrolled.losses, "records": dict(self.unrolled.records)}
+        if self._summaries and self.unrolled.summaries is not None:
+            fetches["summaries"] = self.unrolled.summaries
         if self._step_after is not None:
             fetches["global_step"] = self._step_after
         return V1.train.SessionRunArgs(fetches)
@@ -117,7 +124,8 @@ class _Runs:
                 last = session.run(self.unrolled.global_step)
             steps = _steps(self._before, int(last), len(losses))
             self._before = int(last)
-        return Run(steps, losses, records)
+        summaries = results.get("summaries")
+        return Run(steps, losses, records, None if summaries is None else list(summaries))
 
     def _runs_train(self, fetches):
         """Whether ``fetches`` (any nest of ops, tensors and names) depend on train_op."""
@@ -319,7 +327,8 @@ class _EveryNStepsHook(_RunsHook):
             return
         series = {"loss": run.losses, **run.records}
         for k in self._timer.select(run.steps):
-            self._emit(run.steps[k], {tag: values[k] for tag, values in series.items()})
+            self._emit(run.steps[k], {tag: values[k] for tag, values in series.items()},
+                       None if run.summaries is None else run.summaries[k])
         unknown = run.steps.count(None)
         if unknown and not self._told:
             self._told = True
@@ -331,7 +340,7 @@ class _EveryNStepsHook(_RunsHook):
                 len(run.steps), len(run.steps), run.steps[-1], unknown)
         self._emitted()
 
-    def _emit(self, global_step, values):
+    def _emit(self, global_step, values, summary=None):
         raise NotImplementedError
 
     def _emitted(self):
@@ -339,7 +348,8 @@ class _EveryNStepsHook(_RunsHook):
 
 
 class StepSummaryHook(_EveryNStepsHook):
-    """A TensorBoard scalar for every inner step: ``loss`` and each ``records`` entry.
+    """A TensorBoard scalar for every inner step: ``loss`` and each ``records`` entry;
+    and the ``tf.summary`` ops ``loss_fn`` built (``Unrolled.summaries``), each step's.
 
     Each value is written at the global step its step's apply made, as TensorFlow's
     ``SummarySaverHook(save_steps=every_n_steps)`` writes a single step's
@@ -352,6 +362,7 @@ class StepSummaryHook(_EveryNStepsHook):
 
     def __init__(self, unrolled, output_dir, every_n_steps=1):
         super().__init__(unrolled, every_n_steps, "StepSummaryHook")
+        self._runs.fetch_summaries()
         self._output_dir = output_dir
         self._writer = None
 
@@ -359,10 +370,12 @@ class StepSummaryHook(_EveryNStepsHook):
         super().begin()
         self._writer = V1.summary.FileWriterCache.get(self._output_dir)
 
-    def _emit(self, global_step, values):
+    def _emit(self, global_step, values, summary=None):
         self._writer.add_summary(V1.Summary(value=[
             V1.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]),
             global_step)
+        if summary:  # what loss_fn's tf.summary ops wrote in this step
+            self._writer.add_summary(summary, global_step)
 
     def _emitted(self):
         self._writer.flush()
@@ -384,7 +397,7 @@ class LoggingHook(_EveryNStepsHook):
     def __init__(self, unrolled, every_n_steps):
         super().__init__(unrolled, every_n_steps, "LoggingHook")
 
-    def _emit(self, global_step, values):
+    def _emit(self, global_step, values, summary=None):
         logging.info("%s: global step %d: %s", self._runs.unrolled.name, global_step,
                      ", ".join(f"{tag} = {value!s}" for tag, value in values.items()))
 

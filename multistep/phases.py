@@ -104,6 +104,10 @@ class Phased:
     def written(self):
         return {op: name for step in self.steps for op, name in step.written.items()}
 
+    @property
+    def summarized(self):
+        return any(step.summarized for step in self.steps)
+
     def state(self):
         return list(dict.fromkeys(v for step in self.steps for v in step.state()))
 
@@ -112,10 +116,11 @@ class Phased:
         if callable(args):
             with tf.control_dependencies(deps), tf.name_scope("inputs"):
                 args = args()  # once: every phase takes the step's batch
-        outputs, ends, after = {}, [], list(deps)
+        outputs, ends, after, phase_outputs = {}, [], list(deps), []
         for step, name in zip(self.steps, self.names):
             with tf.name_scope(name):
                 out, end = step.build(k, args, deps=after)
+            phase_outputs.append(out)
             outputs[f"loss/{name}"] = out["loss"]
             ends.append(end)
             if self.order == "chained":
@@ -123,6 +128,10 @@ class Phased:
         if self.order == "simultaneous":
             _apply_after_every_gradient(self.steps)
         outputs["loss"] = outputs[f"loss/{self.names[-1]}"]
+        if self.summarized:
+            with tf.control_dependencies(ends):
+                outputs["summary"] = tf.compat.v1.summary.merge(
+                    [out["summary"] for out in phase_outputs if "summary" in out], name="summaries")
         with tf.control_dependencies(ends):
             return outputs, tf.no_op(name="phases_done")
 

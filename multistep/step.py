@@ -23,6 +23,7 @@ import sys
 import warnings
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
@@ -59,6 +60,7 @@ class Step:
     forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
     collections: object = None  # _Collections: the graph's collections before step 1
     before_apply: list = None  # the last build's loss, outputs and gradients
+    summarized: bool = False  # step 1's loss_fn built tf.summary ops (outputs["summary"])
     apply_scope: str = None  # the last build's apply name scope
 
     def build(self, k, args, deps):
@@ -99,8 +101,13 @@ class Step:
             created = len(self.guard.created)
             forward = graph.get_operations()[first_op:]
             run_first = self._update_ops(collected, forward, initializers)
+            summaries = added.get(tf.compat.v1.GraphKeys.SUMMARIES, [])
+            if first:
+                self.summarized = bool(summaries)
+            _retag(summaries, forward_scope)
+            extra = {"summary": _merged(summaries)} if summaries else {}
             with tf.control_dependencies(run_first):
-                outputs, apply_op = self._descend(k, loss, local, tape, forward)
+                outputs, apply_op = self._descend(k, loss, local, tape, forward, extra)
         conditional = self.nonfinite == "skip" or self.guard.lift  # after_apply in the cond
         end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
@@ -116,16 +123,17 @@ class Step:
             _free_constants(ops)  # resource variables only: see there
         return outputs, end
 
-    def _descend(self, k, loss, local, tape, forward):
+    def _descend(self, k, loss, local, tape, forward, extra=None):
         """Gradients (from ``tape`` where there is one), transforms, records, checks and
-        the apply of step ``k``'s ``loss``: (outputs, the apply op)."""
+        the apply of step ``k``'s ``loss``: (outputs, the apply op). ``extra``: more
+        outputs (the step's summaries), computed before the apply as the loss is."""
         with self.guard.scope("gradients"):
             grads_and_vars = self._gradients(k, loss, local, tape, forward)
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
                 grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
-        outputs = {"loss": tf.cast(loss, tf.float32)}
+        outputs = {"loss": tf.cast(loss, tf.float32), **(extra or {})}
         if self.record:
             with self.guard.scope("record"):
                 outputs.update(_records(self.record, self.optimizer, grads_and_vars))
@@ -381,6 +389,34 @@ def warn_outside_updates(graph, label):
             f"update ops that loss_fn adds as it builds each step, so these run in no step. "
             f"Build them inside loss_fn (call the layer there), or, to run after each step's "
             f"apply, in after_apply.", RuntimeWarning, stacklevel=lint.user_stacklevel())
+
+
+def _retag(summaries, scope):
+    """Give the summaries a step built the tags a single step's have: a
+    ``tf.compat.v1.summary`` op takes its tag from the name scope it is built in, so step
+    k's ``loss`` is tagged ``multistep/step_k/forward/loss``; ``scope`` (that prefix) is
+    dropped from the constant tag each takes as its first input."""
+    for summary in summaries:
+        op = getattr(summary, "op", summary)
+        if not op.inputs or op.inputs[0].dtype != tf.string or op.inputs[0].op.type != "Const":
+            continue
+        tags = tf.get_static_value(op.inputs[0])
+        strip = lambda tag: tag[len(scope):] if tag.startswith(scope) else tag  # noqa: E731
+        if isinstance(tags, bytes):
+            retagged = strip(tags.decode()).encode()
+        else:
+            retagged = np.vectorize(lambda t: strip(t.decode()).encode(), otypes=[object])(tags)
+        with tf.compat.v1.get_default_graph().name_scope(op.name + "/"):
+            op._update_input(0, tf.constant(retagged, dtype=tf.string, name="tag"))
+
+
+def _merged(summaries):
+    """The summaries one step's ``loss_fn`` built (its additions to ``SUMMARIES``: each
+    step's own, as ``_Collections`` keeps them), merged into one serialized ``Summary``:
+    ``Unrolled.summaries[k]``, which ``ms.hooks.StepSummaryHook`` writes at step k's
+    global step. A single step's ``SummarySaverHook`` fetches ``merge_all()`` beside the
+    train op; here it is computed before the step's apply, as the loss is."""
+    return tf.compat.v1.summary.merge(summaries, name="summaries")
 
 
 def _snapshot_ref_reads(ops, deps):

@@ -64,6 +64,9 @@ class Unrolled:
         mode: None (the graph holds exactly ``steps`` copies of the step).
       mode: what was built: ``"unrolled"``, ``"while_loop"``, ``"unrolled+xla"`` or
         ``"while_loop+xla"`` (with ``mode="auto"``, what it chose).
+      summaries: string ``[N]``: each inner step's ``tf.summary`` ops that ``loss_fn``
+        built, merged (a serialized ``Summary`` a step; ``ms.hooks.StepSummaryHook``
+        writes each at its step's global step); None if it built none.
       why: with ``mode="auto"``, why it did not choose ``"while_loop+xla"`` (the op
         without an XLA kernel, the ref variables, ...); else None.
     """
@@ -80,6 +83,7 @@ class Unrolled:
     mode: str = "unrolled"
     why: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
+    summaries: object = None
     _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
@@ -450,6 +454,11 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             except (TypeError, ValueError) as error:
                 _refuse_ref_variables_under_xla(error)
                 raise
+            if step.summarized:
+                raise ValueError(
+                    f"{label}: loss_fn builds tf.summary ops, which XLA cannot compile (string "
+                    f"ops): build without xla=True (mode='auto' then builds unrolled steps), "
+                    f"or return the values with record= or through the loss.")
             program_graph = program.get_concrete_function(count).graph
             lint.check_captures(program_graph, watched, name=label)
             lint.warn_random_under_xla(program_graph, name=label)
@@ -465,7 +474,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
     _warn_racing(graph, graph.get_operations()[first_op:], step.written, label)
-    return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
+    summaries = outputs.pop("summary", None)
+    return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps, summaries=summaries,
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,
@@ -539,7 +549,8 @@ def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
             return i < count
         return tf.logical_and(i < count, tf.equal(step.halted.read_value()[0], 0))
 
-    keys = ["loss", *step.record]
+    keys = ["loss", *step.record] + (["summary"] if step.summarized else [])
+    dtypes = {key: tf.string if key == "summary" else tf.float32 for key in keys}
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())
     with tf.name_scope("loop"), tf.control_dependencies([after]):
@@ -549,7 +560,7 @@ def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
         if chunk is None:
             i, arrays = tf.while_loop(
                 lambda i, _: running(i), body,
-                [first, {key: tf.TensorArray(tf.float32, size=steps - 1) for key in keys}],
+                [first, {key: tf.TensorArray(dtypes[key], size=steps - 1) for key in keys}],
                 parallel_iterations=1, maximum_iterations=steps - 1, name="body")
             values = {key: array.stack() for key, array in arrays.items()}
         else:

@@ -1,6 +1,8 @@
 """TensorBoard output, read back through TensorBoard itself: its event loader and its server."""
 
 import contextlib
+import glob
+import os
 import json
 import queue
 import re
@@ -211,3 +213,84 @@ def test_every_op_but_the_variables_own_lies_under_its_step(mode):
     assert strays == []
     steps = {op.name.split("/")[1] for op in graph.get_operations() if op.name.startswith("multistep/")}
     assert {"step_1", "step_2", "step_3"} <= steps or mode == "while_loop"
+
+
+def cifar_model(x, y):
+    """The CIFAR-10 tutorial's idioms in one loss: a weight-decay term and the data loss
+    in the 'losses' collection, their sum over it; an average of the loss in a variable of
+    its own (the fix ms.unroll names for ExponentialMovingAverage.apply([loss])), through
+    UPDATE_OPS; tf.summary scalars and a histogram of an activation in the model."""
+    w = tf.compat.v1.get_variable("dense/kernel", initializer=np.full((3, 2), 0.2, np.float32))
+    average = tf.compat.v1.get_variable("loss_average", initializer=0.0, trainable=False)
+    h = tf.tanh(tf.matmul(x, w))
+    tf.compat.v1.add_to_collection("losses", tf.multiply(tf.nn.l2_loss(w), 0.004, name="decay"))
+    tf.compat.v1.add_to_collection("losses", tf.reduce_mean(tf.square(h - y), name="data"))
+    total = tf.add_n(tf.compat.v1.get_collection("losses"), name="total_loss")
+    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS,
+                                   average.assign(0.9 * average + 0.1 * total))
+    for term in tf.compat.v1.get_collection("losses"):
+        tf.compat.v1.summary.scalar(term.op.name.split("/")[-1], term)
+    tf.compat.v1.summary.histogram("activations", h)
+    return total
+
+
+def _values(monitored):
+    """Every global variable, read without running the hooks (run_step_fn's raw session)."""
+    variables = tf.compat.v1.global_variables()
+    return monitored.run_step_fn(lambda step_context: dict(zip(
+        [v.op.name for v in variables], step_context.session.run(variables))))
+
+
+def _events(directory):
+    """{(tag, global step): what was written} of every summary value in ``directory``."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                written = value.simple_value if value.HasField("simple_value") else value.histo
+                out[(value.tag, event.step)] = written.SerializeToString() if hasattr(
+                    written, "SerializeToString") else written
+    return out
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_summaries_in_loss_fn_are_written_per_inner_step(tmp_path, mode):
+    """Canonical single steps under MonitoredTrainingSession with TensorFlow's
+    SummarySaverHook(save_steps=1) against the fused steps with ms.hooks.StepSummaryHook:
+    every tag of loss_fn's summaries at every global step, equal (used to be: step 1's
+    summary ops only, once per run), and every variable bitwise."""
+    x_all = np.random.RandomState(3).randn(6, 8, 3).astype(np.float32)
+    y_all = np.random.RandomState(4).randn(6, 8, 2).astype(np.float32)
+    V1 = tf.compat.v1
+    with tf.Graph().as_default():
+        x, y = V1.placeholder(tf.float32, [8, 3]), V1.placeholder(tf.float32, [8, 2])
+        gs = V1.train.get_or_create_global_step()
+        loss = cifar_model(x, y)
+        with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
+            train = V1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=gs)
+        hook = V1.train.SummarySaverHook(save_steps=1, output_dir=str(tmp_path / "single"),
+                                         summary_op=V1.summary.merge_all())
+        with V1.train.MonitoredSession(hooks=[hook]) as sess:
+            for k in range(6):
+                sess.run(train, {x: x_all[k], y: y_all[k]})
+            want = _values(sess)
+    with tf.Graph().as_default():
+        xs, ys = V1.placeholder(tf.float32, [3, 8, 3]), V1.placeholder(tf.float32, [3, 8, 2])
+        gs = V1.train.get_or_create_global_step()
+        unrolled = ms.unroll(cifar_model, V1.train.GradientDescentOptimizer(0.1), 3,
+                             inputs=(xs, ys), global_step=gs, mode=mode)
+        hook = ms.hooks.StepSummaryHook(unrolled, str(tmp_path / "fused"))
+        with V1.train.MonitoredSession(hooks=[hook]) as sess:
+            for r in range(2):
+                sess.run(unrolled.train_op, {xs: x_all[3 * r:3 * r + 3], ys: y_all[3 * r:3 * r + 3]})
+            got = _values(sess)
+    V1.summary.FileWriterCache.clear()  # (its writers' threads)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+    single, fused = _events(tmp_path / "single"), _events(tmp_path / "fused")
+    # TensorFlow's tags: the scalars' op names were taken by the terms, so "decay_1", "data_1".
+    assert {tag for tag, _ in single} == {"decay_1", "data_1", "activations"}
+    assert sorted(k for k in single if k[1] >= 1) == sorted(k for k in fused if k[0] != "loss")
+    for key in single:
+        if key[1] >= 1:  # SummarySaverHook also writes at global step 0, before the first apply
+            assert fused[key] == single[key], key
