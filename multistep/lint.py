@@ -176,9 +176,11 @@ def check_dangling(ops, end, *, exempt, name, step):
 
 
 def _ancestors_postorder(root, stop=None, known=(), preds=_preds):
-    """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` is not
-    expanded, and ops in ``known`` (already visited by an earlier walk) are left out.
+    """Ancestors of ``root`` (inclusive), each after all of its inputs; ``stop`` (an op or
+    a set of them) is not expanded, and ops in ``known`` (already visited by an earlier
+    walk) are left out.
     ``preds``: an op's predecessors (default: data and control inputs)."""
+    stops = stop if isinstance(stop, (set, frozenset)) else {stop}
     order, seen, stack = [], set(), [(root, False)]
     while stack:
         op, expanded = stack.pop()
@@ -189,7 +191,7 @@ def _ancestors_postorder(root, stop=None, known=(), preds=_preds):
             continue
         seen.add(op)
         stack.append((op, True))
-        if op is not stop:
+        if op not in stops:
             stack.extend((pred, False) for pred in preds(op) if pred not in seen)
     return order
 
@@ -199,18 +201,23 @@ def watched_variables(variables):
     return {v.op: v.op.name for v in variables}
 
 
-def check_step(step, apply_op, previous_apply, watched, *, name):
+def check_step(step, apply_op, previous_apply, watched, *, name, values=()):
     """Raise StaleForwardError if step ``step`` reads watched state out of order.
 
     Every op that ``apply_op`` depends on (its loss, gradients and
     hyper-parameters) and that reads a watched variable must have
-    ``previous_apply`` among its ancestors; a call (``CALL_OPS``: a cond, a v2 loop,
+    ``previous_apply`` among its ancestors (``values``: ops whose value the step takes as
+    data from the one before, its ``carry=`` inputs); a call (``CALL_OPS``: a cond, a v2 loop,
     a ``tf.function`` call) that captures one, among the ancestors of its control
     inputs, as it runs lowered.
     """
     after = {}
     stale = {}  # op -> (variable name, read op) of a stale read in its ancestry
-    for op in _ancestors_postorder(apply_op, stop=previous_apply):
+    values = set(values)
+    for op in _ancestors_postorder(apply_op, stop={previous_apply, *values}):
+        if op in values:  # a value carried in from the previous step (carry=), as a feed is
+            after[op] = True
+            continue
         preds = _preds(op) if op is not previous_apply else []
         # A call (CALL_OPS) is lowered before it runs: the reads inside it wait for its
         # control inputs, not for the data inputs other ops inside it use.

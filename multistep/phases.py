@@ -76,8 +76,9 @@ class Phased:
     def __init__(self, steps, names, order):
         self.steps, self.names, self.order = steps, names, order
         self.record = tuple(f"loss/{n}" for n in names)  # the per-step outputs besides "loss"
-        self.skipped = self.halted = None
-        self.rebuild = False
+        self.skipped = self.halted = self.next_carry = None
+        self.rebuild = self.carries = False
+        self.carry_ops = set()
 
     @property
     def guard(self):
@@ -111,7 +112,7 @@ class Phased:
     def state(self):
         return list(dict.fromkeys(v for step in self.steps for v in step.state()))
 
-    def build(self, k, args, deps):
+    def build(self, k, args, deps, carry=None):
         """Inner step ``k``: every phase after ``deps``, in order (see the module)."""
         if callable(args):
             with tf.control_dependencies(deps), tf.name_scope("inputs"):

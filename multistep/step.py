@@ -61,13 +61,22 @@ class Step:
     collections: object = None  # _Collections: the graph's collections before step 1
     before_apply: list = None  # the last build's loss, outputs and gradients
     summarized: bool = False  # step 1's loss_fn built tf.summary ops (outputs["summary"])
+    initial_carry: object = None  # carry=: the nest step 1 is given
+    next_carry: object = None  # what the last build's loss_fn carried out
+    carry_ops: set = dataclasses.field(default_factory=set)  # the last build's carry inputs
+
+    @property
+    def carries(self):
+        return self.initial_carry is not None
     apply_scope: str = None  # the last build's apply name scope
 
-    def build(self, k, args, deps):
-        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``.
+    def build(self, k, args, deps, carry=None):
+        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``; ``carry``:
+        the state the previous step's ``loss_fn`` carried out (None: the initial carry).
 
         Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the op
-        that ends the step: its apply, or the end of its ``after_apply``).
+        that ends the step: its apply, or the end of its ``after_apply``); what this
+        step carries out is ``self.next_carry``.
         """
         self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
         graph = tf.compat.v1.get_default_graph()
@@ -94,7 +103,10 @@ class Step:
                     self.forward_scope = forward_scope
                 if tape is not None:
                     tape.watch(self.var_list)
-                loss = _call_loss_fn(self.loss_fn, args, step)
+                if self.carries:
+                    loss = self._carrying(args, self.initial_carry if carry is None else carry, step)
+                else:
+                    loss = _call_loss_fn(self.loss_fn, args, step)
             collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
             _STEP_UPDATES.setdefault(graph, set()).update(collected)
             initializers = _initializers(self.guard.created[created:])
@@ -112,6 +124,7 @@ class Step:
         end = _every_replica(apply_op if conditional else self._after(apply_op))
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
+        _refuse_gradients_reading_updates(ops, run_first, self.label)
         ops += _snapshot_ref_reads(ops, deps)  # (the graph's op list is copied once a step)
         _order_calls(ops, deps)
         self.written.update(lint.written_variables(ops))
@@ -122,6 +135,28 @@ class Step:
                 op.type == "VarHandleOp" for op in self.written):
             _free_constants(ops)  # resource variables only: see there
         return outputs, end
+
+    def _carrying(self, args, carry, step):
+        """``loss_fn(*args, carry) -> (loss, next carry)``; returns the loss and keeps the
+        next carry. The carry comes in through ``StopGradient``: the value a single step
+        is fed (its initial state placeholder), not a path back into earlier steps; and
+        the stale-forward check takes it as data (``carry_ops``), as a feed is."""
+        carry_in = tf.nest.map_structure(lambda t: tf.stop_gradient(t, name="carry"), carry)
+        self.carry_ops = {t.op for t in tf.nest.flatten(carry_in)}
+        returned = self.loss_fn(*args, carry_in)
+        if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+            raise TypeError(f"with carry=, loss_fn(*inputs, carry) must return (loss, next "
+                            f"carry); at inner step {step} it returned {type(returned).__name__}.")
+        loss, next_carry = returned
+        try:
+            tf.nest.assert_same_structure(carry, next_carry)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"the carry loss_fn returns at inner step {step} differs in "
+                             f"structure from the carry it was given: {error}") from None
+        self.next_carry = tf.nest.map_structure(
+            lambda before, after: tf.ensure_shape(tf.convert_to_tensor(after, before.dtype),
+                                                  before.shape), carry, next_carry)
+        return _call_loss_fn(lambda *_: loss, (), step)
 
     def _descend(self, k, loss, local, tape, forward, extra=None):
         """Gradients (from ``tape`` where there is one), transforms, records, checks and
@@ -460,6 +495,33 @@ def _snapshot_ref_reads(ops, deps):
             op._remove_all_control_inputs()
             op._add_control_inputs(keep)
     return [snapshot.op for snapshot in snapshots.values()]
+
+
+def _refuse_gradients_reading_updates(ops, updates, label):
+    """Raise ValueError if an update op (``UPDATE_OPS``, run after the forward pass and
+    before the gradients) writes a ref variable that one of the step's gradient ops
+    reads. A ref variable is read when its consumer runs, through the one ``v/read``
+    alias: the gradient would see the value after the write, where the forward pass saw
+    the one before (an RNN state kept in a variable and updated through UPDATE_OPS was
+    1.4e-3 off the feed-dict original). A resource variable's reads are snapshots."""
+    written = {lint.ref_variable_of(u.inputs[0]): u for u in updates
+               if lint.is_write(u) and lint.ref_variable_of(u.inputs[0]) is not None}
+    if not written:
+        return
+    for op in ops:
+        if "/gradients/" not in "/" + op.name or lint.is_write(op) or op.type in lint.ALIAS_OPS:
+            continue
+        for tensor in op.inputs:
+            variable = lint.ref_variable_of(tensor)
+            if variable in written:
+                raise ValueError(
+                    f"{label}: the update op '{written[variable].name}' writes "
+                    f"'{variable.name}' (a ref variable) in UPDATE_OPS, which run before the "
+                    f"step's gradients, and the gradient op '{op.name}' ({op.type}) reads "
+                    f"'{variable.name}' through its ref: it would see the value after the "
+                    f"write, where the forward pass saw the one before. To carry state from "
+                    f"step to step (an RNN's final state), use carry=; else make the variable "
+                    f"a resource variable (use_resource=True), whose reads are snapshots.")
 
 
 def _order_calls(ops, deps):

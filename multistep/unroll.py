@@ -64,6 +64,8 @@ class Unrolled:
         mode: None (the graph holds exactly ``steps`` copies of the step).
       mode: what was built: ``"unrolled"``, ``"while_loop"``, ``"unrolled+xla"`` or
         ``"while_loop+xla"`` (with ``mode="auto"``, what it chose).
+      carry: with ``carry=``, what the run's last step carried out (fetch it with the
+        train op; feed it as the next run's initial carry); else None.
       summaries: string ``[N]``: each inner step's ``tf.summary`` ops that ``loss_fn``
         built, merged (a serialized ``Summary`` a step; ``ms.hooks.StepSummaryHook``
         writes each at its step's global step); None if it built none.
@@ -84,6 +86,7 @@ class Unrolled:
     why: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
     summaries: object = None
+    carry: object = None
     _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
@@ -205,7 +208,8 @@ class GraphTooLargeError(ValueError):
 def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, grad_transforms=(),
            global_step=None, update_ops=True, after_apply=None, mode="unrolled", xla=False,
            record=(), nonfinite="raise", gate_gradients=GATE_OP, aggregation_method=None,
-           colocate_gradients_with_ops=False, grad_loss=None, phases="chained", name="multistep"):
+           colocate_gradients_with_ops=False, grad_loss=None, phases="chained", carry=None,
+           name="multistep"):
     """Builds one op that performs ``steps`` real descent steps.
 
     Args:
@@ -295,6 +299,14 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         and gradients read the variables as the step found them, then every phase
         applies (the single step that applies both under ``control_dependencies``
         of both gradients).
+      carry: state carried from each inner step into the next (an RNN's final state into
+        the next step's initial state): a nest of tensors, the first step's value each
+        run (a placeholder fed the state the last run left, as a PTB script feeds it).
+        ``loss_fn(*step_inputs, carry)`` then returns ``(loss, next_carry)`` of the same
+        structure; the carry comes in through ``tf.stop_gradient`` (the value a single
+        step is fed, not a path back into earlier steps), and ``Unrolled.carry`` is the
+        last step's next carry: fetch it with the train op and feed it to the next run.
+        Not with several phases or under a strategy.
       name: name scope; steps appear as
         ``name/step_k/{forward,gradients,transform,apply,after_apply}`` (loop mode:
         ``name/step_1/...`` and ``name/loop/body/...``).
@@ -341,10 +353,11 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         _check_optimizer(one[1])
     if phased is not None:
         optimizer = phased[0][-1].optimizer  # for the checks below
-        if xla or mode == "auto" or record or nonfinite == "skip" or step_lib.in_replica_context():
+        if (xla or mode == "auto" or record or nonfinite == "skip" or carry is not None
+                or step_lib.in_replica_context()):
             raise ValueError(
                 "several phases build with mode='unrolled' or 'while_loop', without XLA, "
-                "record, nonfinite='skip' or a strategy (not yet supported there).")
+                "record, nonfinite='skip', carry or a strategy (not yet supported there).")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
@@ -382,6 +395,10 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             global_step if p is items[-1] else None, transform, guard, (), nonfinite,
             update_ops=update_ops, after_apply=after_apply if p is items[-1] else None,
             gradient_options=dict(gradient_options)) for p in items], names, phases)
+    if carry is not None:
+        if step_lib.in_replica_context():
+            raise ValueError("carry= is not supported under a tf.distribute strategy.")
+        step.initial_carry = tf.nest.map_structure(tf.convert_to_tensor, carry)
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())
 
@@ -415,6 +432,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             start = [] if step.halted is None else [step.halted.assign([0, 0], read_value=False)]
             with tf.name_scope("step_1"):
                 first, end = step.build(1, feed.args(0), deps=start)
+            carried = step.next_carry
             step_seconds = time.perf_counter() - started
             step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()[first_op:])
             watched.update({**lint.watched_variables(step.state()), **step.written})
@@ -427,14 +445,17 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 later, last = {}, end
             elif mode == "while_loop":
                 chunk = CHUNK if xla and steps - 1 > CHUNK else None
-                later, last = _loop(step, feed, steps, end, watched, label, count,
-                                    run_length.done, chunk=chunk)
+                later, last, carried = _loop(step, feed, steps, end, watched, label, count,
+                                             run_length.done, chunk=chunk, carried=carried)
             else:
-                later, last = _chain(step, feed, steps, end, watched, label, step_seconds)
+                later, last, carried = _chain(step, feed, steps, end, watched, label,
+                                              step_seconds, carried)
             with tf.control_dependencies([last]):
                 outputs = {key: tf.concat([first[key][None]] + ([later[key]] if later else []), 0,
                                           name="losses" if key == "loss" else key)
                            for key in first}
+            if step.carries:
+                outputs["carry"] = carried  # the last step's next carry
             return outputs, last
 
         watched = {}  # the trained state and every variable a step writes, from step 1
@@ -467,15 +488,17 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 with tf.control_dependencies([last]):
                     last = step_lib.raise_if_halted(step.halted, step.var_list, label)
                 with tf.control_dependencies([last]):
-                    outputs = {key: tf.identity(value, name="losses" if key == "loss" else key)
-                               for key, value in outputs.items()}
+                    outputs = {key: tf.nest.map_structure(
+                        lambda t, key=key: tf.identity(t, name="losses" if key == "loss" else key),
+                        value) for key, value in outputs.items()}
         else:
             outputs, last = steps_1_to_n(count)
         with tf.control_dependencies([last]):
             train_op = tf.no_op(name="train")
     _warn_racing(graph, graph.get_operations()[first_op:], step.written, label)
-    summaries = outputs.pop("summary", None)
-    return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps, summaries=summaries,
+    summaries, carried = outputs.pop("summary", None), outputs.pop("carry", None)
+    return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
+                    summaries=summaries, carry=carried,
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,
@@ -510,39 +533,47 @@ def _warn_racing(graph, ops, written, label):
     _BUILT.setdefault(graph, []).append((label, written, read))
 
 
-def _chain(step, feed, steps, end, watched, label, first_seconds):
+def _chain(step, feed, steps, end, watched, label, first_seconds, carried=None):
     """Steps 2..N unrolled, each after the end of the previous one (step 2 after ``end``).
-    ``first_seconds``: step 1's build time, for the slow-build warning after step 2."""
+    ``first_seconds``: step 1's build time, for the slow-build warning after step 2.
+    ``carried``: what step 1 carried out (``carry=``). Returns (outputs, the end of the
+    last step, what it carried out)."""
     outputs = []
     for k in range(2, steps + 1):
         started = time.perf_counter()
         with tf.name_scope(f"step_{k}"):
-            out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=[end])
+            out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=[end], carry=carried)
         if k == 2:
             _warn_slow_build(first_seconds, time.perf_counter() - started, steps, label)
-        lint.check_step(k, next_end, end, watched, name=label)
+        lint.check_step(k, next_end, end, watched, name=label,
+                        values=step.carry_ops if step.carries else ())
         outputs.append(out)
-        end = next_end
-    return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end
+        end, carried = next_end, step.next_carry
+    return {key: tf.stack([out[key] for out in outputs]) for key in outputs[0]}, end, carried
 
 
-def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
+def _loop(step, feed, steps, after, watched, label, count, done, chunk=None, carried=None):
     """Steps 2..count as one ``tf.while_loop`` body (``count`` <= ``steps``, read at run
     time); the body reads state after the previous apply. ``done``: None, or a variable
     the loop sets to the number of steps ended so far (for InputExhaustedError).
-    ``chunk``: write the per-step outputs in chunks of that many steps (``_chunked``)."""
+    ``chunk``: write the per-step outputs in chunks of that many steps (``_chunked``).
+    ``carried``: what step 1 carried out (``carry=``): a loop variable ("carry" among the
+    arrays). Returns (outputs, the op that ends the loop, what the last step carried out)."""
     bodies, around = [], []
 
     def body(i, arrays, offset=0):
         bodies.append(tf.compat.v1.get_default_graph())
-        out, end = step.build(i + 1, lambda: feed.args(i), deps=[i])
+        out, end = step.build(i + 1, lambda: feed.args(i), deps=[i], carry=arrays.get("carry"))
         with tf.control_dependencies([end]):
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
                 # A list, as the loop variables are given: v1 control flow (disable_v2_behavior)
                 # checks that the body returns the same structure, list against tuple.
-                return [i + 1, {key: arrays[key].write(i - 1 - offset, out[key])
-                                for key in arrays}]
+                written = {key: arrays[key].write(i - 1 - offset, out[key])
+                           for key in arrays if key != "carry"}
+                if "carry" in arrays:
+                    written["carry"] = step.next_carry
+                return [i + 1, written]
 
     def running(i):
         if step.halted is None:
@@ -557,32 +588,37 @@ def _loop(step, feed, steps, after, watched, label, count, done, chunk=None):
         start = [] if done is None else [done.assign(1, read_value=False)]  # step 1 ended
         with tf.control_dependencies(start):
             first = tf.constant(1) if done is None else tf.identity(1)
+        carry = {} if carried is None else {"carry": carried}
         if chunk is None:
             i, arrays = tf.while_loop(
                 lambda i, _: running(i), body,
-                [first, {key: tf.TensorArray(dtypes[key], size=steps - 1) for key in keys}],
+                [first, {**{key: tf.TensorArray(dtypes[key], size=steps - 1) for key in keys},
+                         **carry}],
                 parallel_iterations=1, maximum_iterations=steps - 1, name="body")
+            carried = arrays.pop("carry", None)
             values = {key: array.stack() for key, array in arrays.items()}
         else:
-            i, values = _chunked(body, running, first, keys, steps - 1, chunk, around)
+            i, values, carried = _chunked(body, running, first, keys, steps - 1, chunk, around,
+                                          carry)
     # v2 control flow: a function body; v1 (disable_v2_behavior): the loop's ops, in this graph.
     body = bodies[0] if bodies[0] is not graph else graph.get_operations()[first_op:]
     lint.check_captures(body, watched, name=label)
     for outer in around:  # chunked: what the loop over chunks captures from outside it
         lint.check_captures(outer, watched, name=label)
     # Only the count - 1 written entries: a slice XLA compiles too (bounded dynamic shape).
-    return {key: value[:i - 1] for key, value in values.items()}, i.op
+    return {key: value[:i - 1] for key, value in values.items()}, i.op, carried
 
 
 CHUNK = 128  # per-step outputs under XLA: written in chunks of this many steps
 
 
-def _chunked(body, running, first, keys, total, chunk, around):
+def _chunked(body, running, first, keys, total, chunk, around, carry):
     """Steps 2..count as a loop over chunks of ``chunk`` steps, each an inner loop whose
     per-step outputs go to a TensorArray of ``chunk`` entries; the chunks stacked after.
     Under XLA one TensorArray of N entries made every step dearer past 128 entries;
     chunked, a step's cost does not grow with N (the README's bench rows).
-    Returns (the i after the last step, {key: [chunks * chunk] values})."""
+    ``carry``: {} or {"carry": what step 1 carried out}, a loop variable of both loops.
+    Returns (the i after the last step, {key: [chunks * chunk] values}, the last carry)."""
     chunks = -(-total // chunk)
 
     def chunk_body(c, i, kept):
@@ -594,17 +630,23 @@ def _chunked(body, running, first, keys, total, chunk, around):
 
         _, i, arrays = tf.while_loop(
             lambda j, i, _: tf.logical_and(j < chunk, running(i)), inner,
-            [tf.constant(0), i, {key: tf.TensorArray(tf.float32, size=chunk,
-                                                     element_shape=[]) for key in keys}],
+            [tf.constant(0), i, {**{key: tf.TensorArray(tf.float32, size=chunk, element_shape=[])
+                                    for key in keys},
+                                 **{key: kept[key] for key in kept if key == "carry"}}],
             parallel_iterations=1, maximum_iterations=chunk, name="chunk")
-        return [c + 1, i, {key: kept[key].write(c, arrays[key].stack()) for key in keys}]
+        written = {key: kept[key].write(c, arrays[key].stack()) for key in keys}
+        if "carry" in arrays:
+            written["carry"] = arrays["carry"]
+        return [c + 1, i, written]
 
     _, i, kept = tf.while_loop(
         lambda c, i, _: running(i), chunk_body,
-        [tf.constant(0), first, {key: tf.TensorArray(tf.float32, size=chunks,
-                                                     element_shape=[chunk]) for key in keys}],
+        [tf.constant(0), first, {**{key: tf.TensorArray(tf.float32, size=chunks,
+                                                        element_shape=[chunk]) for key in keys},
+                                 **carry}],
         parallel_iterations=1, maximum_iterations=chunks, name="chunks")
-    return i, {key: tf.reshape(array.stack(), [-1]) for key, array in kept.items()}
+    carried = kept.pop("carry", None)
+    return i, {key: tf.reshape(array.stack(), [-1]) for key, array in kept.items()}, carried
 
 
 _RunLength = collections.namedtuple("_RunLength", "variable value assign read done")

@@ -1,0 +1,115 @@
+"""State carried between steps (carry=): a PTB-style LSTM language model whose final
+state of each step is the next step's initial state. The reference is the canonical
+feed-dict script: one sess.run a step, its initial state a placeholder fed the final
+state the previous run returned. Fused, the first step of each run is fed the state the
+previous run carried out (Unrolled.carry)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+VOCAB, EMBED, HIDDEN, TIME, BATCH = 20, 6, 8, 4, 3
+rng = np.random.RandomState(0)
+WORDS = rng.randint(0, VOCAB, size=(12, BATCH, TIME + 1)).astype(np.int32)
+
+
+def _var(name, shape, kind):
+    init = np.random.RandomState(sum(map(ord, name))).uniform(-0.3, 0.3, shape).astype(np.float32)
+    return V1.get_variable(name, initializer=init, use_resource=kind == "resource")
+
+
+def language_model(kind):
+    """loss_fn(words, (c, h)) -> (loss, (c, h) after the last time step): embeddings, an
+    LSTM written out over TIME steps (its weights read at every time step), a softmax."""
+    def loss_fn(words, state):
+        emb, kernel = _var("embedding", [VOCAB, EMBED], kind), _var("lstm/kernel", [EMBED + HIDDEN, 4 * HIDDEN], kind)
+        bias, out = _var("lstm/bias", [4 * HIDDEN], kind), _var("softmax/w", [HIDDEN, VOCAB], kind)
+        c, h = state
+        losses = []
+        for t in range(TIME):
+            x = tf.nn.embedding_lookup(emb, words[:, t])
+            i, j, f, o = tf.split(tf.matmul(tf.concat([x, h], 1), kernel) + bias, 4, axis=1)
+            c = tf.sigmoid(f + 1.0) * c + tf.sigmoid(i) * tf.tanh(j)
+            h = tf.sigmoid(o) * tf.tanh(c)
+            losses.append(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=words[:, t + 1], logits=tf.matmul(h, out)))
+        return tf.reduce_mean(tf.stack(losses)), (c, h)
+    return loss_fn
+
+
+def feed_dict_original(kind, steps):
+    with tf.Graph().as_default():
+        words = V1.placeholder(tf.int32, [BATCH, TIME + 1])
+        state = (V1.placeholder(tf.float32, [BATCH, HIDDEN]), V1.placeholder(tf.float32, [BATCH, HIDDEN]))
+        loss, final = language_model(kind)(words, state)
+        train = V1.train.AdamOptimizer(0.02).minimize(loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            now = (np.zeros([BATCH, HIDDEN], np.float32),) * 2
+            losses = []
+            for k in range(steps):
+                _, value, now = sess.run([train, loss, final], {words: WORDS[k], state[0]: now[0],
+                                                               state[1]: now[1]})
+                losses.append(value)
+            return {v.op.name: sess.run(v) for v in V1.global_variables()}, np.array(losses), now
+
+
+@pytest.mark.parametrize("kind, mode", [("resource", "unrolled"), ("resource", "while_loop"),
+                                        ("ref", "unrolled")])
+def test_carried_state_is_bitwise_with_the_feed_dict_original(kind, mode):
+    steps, runs = 3, 4
+    want, want_losses, want_state = feed_dict_original(kind, steps * runs)
+    with tf.Graph().as_default():
+        words = V1.placeholder(tf.int32, [steps, BATCH, TIME + 1])
+        state = (V1.placeholder(tf.float32, [BATCH, HIDDEN]), V1.placeholder(tf.float32, [BATCH, HIDDEN]))
+        unrolled = ms.unroll(language_model(kind), V1.train.AdamOptimizer(0.02), steps,
+                             inputs=words, carry=state, mode=mode)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            now = (np.zeros([BATCH, HIDDEN], np.float32),) * 2
+            losses = []
+            for r in range(runs):
+                _, value, now = sess.run(
+                    [unrolled.train_op, unrolled.losses, unrolled.carry],
+                    {words: WORDS[r * steps:(r + 1) * steps], state[0]: now[0], state[1]: now[1]})
+                losses.extend(value)
+            got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    assert np.array(losses, np.float32).tobytes() == want_losses.astype(np.float32).tobytes()
+    for a, b in zip(now, want_state):
+        assert a.tobytes() == b.tobytes()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_a_carry_of_another_structure_is_refused():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        with pytest.raises(ValueError, match="differs in structure"):
+            ms.unroll(lambda c: (w * c[0], c[0]), V1.train.GradientDescentOptimizer(0.1), 2,
+                      carry=(tf.constant(1.0), tf.constant(2.0)))
+        with pytest.raises(TypeError, match=r"must return \(loss, next carry\)"):
+            ms.unroll(lambda c: w * c, V1.train.GradientDescentOptimizer(0.1), 2,
+                      carry=tf.constant(1.0), name="again")
+
+
+def test_an_update_op_writing_state_a_gradient_still_reads_is_refused():
+    """The state kept in a ref variable, overwritten through UPDATE_OPS (which run before
+    the gradients): the gradient's read of it through the ref would see the new value.
+    Refused naming both ops and carry=."""
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=np.ones([2, 2], np.float32), use_resource=False)
+        state = V1.get_variable("state", initializer=np.ones([1, 2], np.float32),
+                                use_resource=False, trainable=False)
+
+        def loss_fn():
+            h = tf.tanh(tf.matmul(state, w))
+            V1.add_to_collection(V1.GraphKeys.UPDATE_OPS, V1.assign(state, h, name="keep_state"))
+            return tf.reduce_sum(h)
+
+        with pytest.raises(ValueError, match=r"the update op '.*keep_state' writes 'state' .*"
+                                             r"gradient op '.*MatMul_grad.*' .*carry="):
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 2)
