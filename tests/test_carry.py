@@ -113,3 +113,40 @@ def test_an_update_op_writing_state_a_gradient_still_reads_is_refused():
         with pytest.raises(ValueError, match=r"the update op '.*keep_state' writes 'state' .*"
                                              r"gradient op '.*MatMul_grad.*' .*carry="):
             ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 2)
+
+
+@pytest.mark.parametrize("transform", [lambda gv, step=None: gv, ms.scale(1.0)],
+                         ids=["identity", "scale(1)"])
+def test_a_transform_that_does_nothing_changes_nothing(transform):
+    """The PTB-style model with GradientDescent (whose sparse apply scatter-adds repeated
+    embedding rows one by one): a transform that does nothing used to run with the rows
+    summed first (2.98e-8 off the embedding after 12 steps); against the feed-dict
+    original without any transform, bitwise."""
+    def original():
+        with tf.Graph().as_default():
+            words = V1.placeholder(tf.int32, [BATCH, TIME + 1])
+            state = (V1.placeholder(tf.float32, [BATCH, HIDDEN]), V1.placeholder(tf.float32, [BATCH, HIDDEN]))
+            loss, final = language_model("resource")(words, state)
+            train = V1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                now = (np.zeros([BATCH, HIDDEN], np.float32),) * 2
+                for k in range(12):
+                    _, now = sess.run([train, final], {words: WORDS[k], state[0]: now[0], state[1]: now[1]})
+                return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+    want = original()
+    with tf.Graph().as_default():
+        words = V1.placeholder(tf.int32, [3, BATCH, TIME + 1])
+        state = (V1.placeholder(tf.float32, [BATCH, HIDDEN]), V1.placeholder(tf.float32, [BATCH, HIDDEN]))
+        unrolled = ms.unroll(language_model("resource"), V1.train.GradientDescentOptimizer(0.5), 3,
+                             inputs=words, carry=state, grad_transforms=[transform])
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            now = (np.zeros([BATCH, HIDDEN], np.float32),) * 2
+            for r in range(4):
+                _, now = sess.run([unrolled.train_op, unrolled.carry],
+                                  {words: WORDS[3 * r:3 * r + 3], state[0]: now[0], state[1]: now[1]})
+            got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
