@@ -103,10 +103,12 @@ class Step:
                     self.forward_scope = forward_scope
                 if tape is not None:
                     tape.watch(self.var_list)
-                if self.carries:
-                    loss = self._carrying(args, self.initial_carry if carry is None else carry, step)
-                else:
-                    loss = _call_loss_fn(self.loss_fn, args, step)
+                with _variables_named_per_step(first, step):
+                    if self.carries:
+                        loss = self._carrying(args, self.initial_carry if carry is None else carry,
+                                              step)
+                    else:
+                        loss = _call_loss_fn(self.loss_fn, args, step)
             collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
             _STEP_UPDATES.setdefault(graph, set()).update(collected)
             initializers = _initializers(self.guard.created[created:])
@@ -865,13 +867,8 @@ class CreationGuard:
         if self.step != 1:
             who = "after_apply" if (self._prefix or "").endswith("/after_apply/") else "loss_fn"
             if "ExponentialMovingAverage" in str(name):
-                raise ValueError(
-                    f"{who} created variable {name!r} at inner step {self.step}: "
-                    f"ExponentialMovingAverage.apply on a tensor (a loss) makes a shadow "
-                    f"variable named after that tensor, and every step's tensor is a new one. "
-                    f"Average a tensor in a variable of your own made before ms.unroll, "
-                    f"e.g. avg.assign(0.9 * avg + 0.1 * loss) added to UPDATE_OPS inside "
-                    f"loss_fn; ema.apply(var_list) of variables (in after_apply) works as is.")
+                raise ValueError(f"{who} created variable {name!r} at inner step "
+                                 f"{self.step}: {_EMA_FIX}")
             raise ValueError(
                 f"{who} created variable {name!r} at inner step "
                 f"{self.step}; variables must be created on the first call and "
@@ -1044,6 +1041,33 @@ class _NameCounters:
             yield
         finally:
             after.write()
+
+
+_EMA_FIX = ("ExponentialMovingAverage.apply on a tensor (a loss) makes a shadow variable "
+            "named after that tensor, and every step's tensor is a new one. Average a tensor "
+            "in a variable of your own made before ms.unroll, e.g. avg.assign(0.9 * avg + "
+            "0.1 * loss) added to UPDATE_OPS inside loss_fn; ema.apply(var_list) of variables "
+            "(in after_apply) works as is.")
+
+
+@contextlib.contextmanager
+def _variables_named_per_step(first, step):
+    """From step 2 on, ``get_variable`` reuses step 1's variables: one whose name depends
+    on the step (an EMA's shadow of a tensor, named after it) does not exist, and
+    TensorFlow's error advises ``reuse=tf.AUTO_REUSE``, which would make a variable per
+    step. Said plainly, with the fix."""
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if first or "does not exist, or was not created with tf.get_variable()" not in text:
+            raise
+        name = text.split("Variable ", 1)[-1].split(" does not exist", 1)[0]
+        why = (_EMA_FIX if "ExponentialMovingAverage" in name else
+               "Every step must use step 1's variables: a variable's name must not depend on "
+               "the step (nor on a tensor's name).")
+        raise ValueError(f"loss_fn asked for variable {name!r} at inner step {step}, which "
+                         f"step 1 did not create. {why}") from None
 
 
 def _call_loss_fn(loss_fn, args, step):

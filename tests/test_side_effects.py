@@ -463,3 +463,22 @@ def test_an_after_apply_op_not_returned_is_refused_saying_return_it():
     with tf.Graph().as_default(), pytest.raises(ValueError, match=r"after_apply builds .*does not return it.*Return it"):
         ms.unroll(lambda: V1.get_variable("w", initializer=1.0) ** 2,
                   V1.train.GradientDescentOptimizer(0.1), 2, after_apply=after)
+
+
+def test_an_ema_of_the_loss_in_loss_fn_is_refused_once_with_the_fix():
+    """The CIFAR-10 tutorial's ema.apply([losses]) in the model: at step 2 the shadow's
+    name (after step 2's tensor) is new. It used to fail with TensorFlow's reuse error
+    ("Did you mean to set reuse=tf.AUTO_REUSE", which would make a shadow per step)."""
+    ema = V1.train.ExponentialMovingAverage(0.9)
+
+    def loss_fn():
+        w = V1.get_variable("w", initializer=1.0)
+        loss = w * w
+        V1.add_to_collection(UPDATE_OPS, ema.apply([loss]))
+        return loss
+
+    with tf.Graph().as_default(), pytest.raises(ValueError) as info:
+        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
+    assert "AUTO_REUSE" not in str(info.value)
+    assert "inner step 2, which step 1 did not create" in str(info.value)
+    assert "avg.assign(0.9 * avg + 0.1 * loss)" in str(info.value)
