@@ -19,16 +19,13 @@ after_apply's), with the names a single-step graph gives them.
 
 import contextlib
 import dataclasses
-import sys
 import warnings
-import weakref
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
 from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
 
-from multistep import lint, transforms
+from multistep import lint, scopes, transforms
 
 __all__ = ["CreationGuard", "Step", "check_capturable", "ensure_variable_stores",
            "in_replica_context", "learning_rate_of"]
@@ -58,8 +55,9 @@ class Step:
     tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
     rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
     forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
-    collections: object = None  # _Collections: the graph's collections before step 1
+    collections: object = None  # scopes.Collections: the graph's collections before step 1
     before_apply: list = None  # the last build's loss, outputs and gradients
+    apply_scope: str = None  # the last build's apply name scope
     summarized: bool = False  # step 1's loss_fn built tf.summary ops (outputs["summary"])
     initial_carry: object = None  # carry=: the nest step 1 is given
     next_carry: object = None  # what the last build's loss_fn carried out
@@ -68,7 +66,6 @@ class Step:
     @property
     def carries(self):
         return self.initial_carry is not None
-    apply_scope: str = None  # the last build's apply name scope
 
     def build(self, k, args, deps, carry=None):
         """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``; ``carry``:
@@ -88,29 +85,29 @@ class Step:
                 if local and self.tape_may_serve else None)
         with tf.control_dependencies(deps):
             if first:
-                self.names = _NameCounters.read()
-                self.collections = _Collections.read(graph)
+                self.names = scopes.NameCounters.read()
+                self.collections = scopes.Collections.read(graph)
             if callable(args):
                 with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
                     args = args()
             with (self.guard.scope("forward") as forward_scope,
-                  _reuse_variables(not first or self.rebuild),
+                  scopes.reuse_variables(not first or self.rebuild),
                   contextlib.nullcontext() if first else self.names.restored(),
-                  _scopes_moved(graph, None if first else self.forward_scope, forward_scope),
+                  scopes.scopes_moved(graph, None if first else self.forward_scope, forward_scope),
                   self.collections.per_step(graph, first, self.label, step) as added,
                   tape or contextlib.nullcontext()):
                 if first:
                     self.forward_scope = forward_scope
                 if tape is not None:
                     tape.watch(self.var_list)
-                with _variables_named_per_step(first, step):
+                with scopes.variables_named_per_step(first, step):
                     if self.carries:
                         loss = self._carrying(args, self.initial_carry if carry is None else carry,
                                               step)
                     else:
                         loss = _call_loss_fn(self.loss_fn, args, step)
             collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
-            _STEP_UPDATES.setdefault(graph, set()).update(collected)
+            _step_updates(graph).update(collected)
             initializers = _initializers(self.guard.created[created:])
             created = len(self.guard.created)
             forward = graph.get_operations()[first_op:]
@@ -118,7 +115,7 @@ class Step:
             summaries = added.get(tf.compat.v1.GraphKeys.SUMMARIES, [])
             if first:
                 self.summarized = bool(summaries)
-            _retag(summaries, forward_scope)
+            scopes.retag(summaries, forward_scope)
             extra = {"summary": _merged(summaries)} if summaries else {}
             with tf.control_dependencies(run_first):
                 outputs, apply_op = self._descend(k, loss, local, tape, forward, extra)
@@ -367,7 +364,7 @@ class Step:
     @staticmethod
     def names_now():
         """The layer and variable-scope name counters now (``.write()`` puts them back)."""
-        return _NameCounters.read()
+        return scopes.NameCounters.read()
 
     def state(self):
         """The variables the steps train and count: weights, optimizer slots, global step,
@@ -376,45 +373,19 @@ class Step:
         return state + [v for v in (self.global_step, self.skipped) if v is not None]
 
 
-@contextlib.contextmanager
-def _scopes_moved(graph, first, now):
-    """While step k's forward pass is built: a name scope under step 1's forward scope
-    ``first`` is entered under this step's, ``now``.
-
-    A layer object built in step 1 (a ``tf.compat.v1.layers.Dense`` made outside
-    ``loss_fn``) names the ops of every later call in the name scope of its first call,
-    an absolute scope: ``multistep/step_1/forward/dense/``. Step k's calls would then be
-    named ``dense/MatMul_3``, ``_4``, ``_5`` (after step 1's), where a single step's are
-    ``MatMul``, ``_1``, ``_2``; Grappler sorts the terms of a gradient sum by name, and
-    ``MatMul_1_grad < MatMul_2_grad < MatMul_grad`` but ``MatMul_3_grad < _4 < _5``: the
-    kernel's gradient, shared by three calls, was summed in another order (6e-8 off). Moved
-    under step k's scope, the ops get a single step's names, and sit in step k's block."""
-    if first is None or first == now:
-        yield
-        return
-    enter = graph.name_scope
-
-    def name_scope(name):
-        if isinstance(name, str) and name.startswith(first) and name.endswith("/"):
-            name = now + name[len(first):]
-        return enter(name)
-
-    graph.name_scope = name_scope  # (the graph's own method; no public hook renames a scope)
-    try:
-        yield
-    finally:
-        del graph.name_scope
-
-
-# Per graph: the UPDATE_OPS that the steps of every ms.unroll built (warn_outside_updates).
-_STEP_UPDATES = weakref.WeakKeyDictionary()
+def _step_updates(graph):
+    """The UPDATE_OPS the steps of every ``ms.unroll`` in ``graph`` built, kept on the
+    graph (a module-level map from graphs to their ops would keep every graph alive)."""
+    if not hasattr(graph, "_multistep_step_updates"):
+        graph._multistep_step_updates = set()
+    return graph._multistep_step_updates
 
 
 def warn_outside_updates(graph, label):
     """Warn about ops in UPDATE_OPS that no ``loss_fn`` built (as ``ms.unroll`` starts):
     a single step under ``control_dependencies(UPDATE_OPS)`` runs them every step; a
     fused step runs only the update ops its own ``loss_fn`` call adds."""
-    known = _STEP_UPDATES.get(graph, set())
+    known = _step_updates(graph)
     outside = [op for op in map(_as_op, graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
                if op not in known]
     if outside:
@@ -428,28 +399,9 @@ def warn_outside_updates(graph, label):
             f"apply, in after_apply.", RuntimeWarning, stacklevel=lint.user_stacklevel())
 
 
-def _retag(summaries, scope):
-    """Give the summaries a step built the tags a single step's have: a
-    ``tf.compat.v1.summary`` op takes its tag from the name scope it is built in, so step
-    k's ``loss`` is tagged ``multistep/step_k/forward/loss``; ``scope`` (that prefix) is
-    dropped from the constant tag each takes as its first input."""
-    for summary in summaries:
-        op = getattr(summary, "op", summary)
-        if not op.inputs or op.inputs[0].dtype != tf.string or op.inputs[0].op.type != "Const":
-            continue
-        tags = tf.get_static_value(op.inputs[0])
-        strip = lambda tag: tag[len(scope):] if tag.startswith(scope) else tag  # noqa: E731
-        if isinstance(tags, bytes):
-            retagged = strip(tags.decode()).encode()
-        else:
-            retagged = np.vectorize(lambda t: strip(t.decode()).encode(), otypes=[object])(tags)
-        with tf.compat.v1.get_default_graph().name_scope(op.name + "/"):
-            op._update_input(0, tf.constant(retagged, dtype=tf.string, name="tag"))
-
-
 def _merged(summaries):
     """The summaries one step's ``loss_fn`` built (its additions to ``SUMMARIES``: each
-    step's own, as ``_Collections`` keeps them), merged into one serialized ``Summary``:
+    step's own, as ``scopes.Collections`` keeps them), merged into one serialized ``Summary``:
     ``Unrolled.summaries[k]``, which ``ms.hooks.StepSummaryHook`` writes at step k's
     global step. A single step's ``SummarySaverHook`` fetches ``merge_all()`` beside the
     train op; here it is computed before the step's apply, as the loss is."""
@@ -511,7 +463,10 @@ def _refuse_gradients_reading_updates(ops, updates, label):
     if not written:
         return
     for op in ops:
-        if "/gradients/" not in "/" + op.name or lint.is_write(op) or op.type in lint.ALIAS_OPS:
+        # A cond or a switch passes the value on to a branch that may not run (batch norm's
+        # inference branch, which reads its moving mean): the ops that compute with it say.
+        if ("/gradients/" not in "/" + op.name or lint.is_write(op) or op.type in lint.ALIAS_OPS
+                or op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW):
             continue
         for tensor in op.inputs:
             variable = lint.ref_variable_of(tensor)
@@ -868,7 +823,7 @@ class CreationGuard:
             who = "after_apply" if (self._prefix or "").endswith("/after_apply/") else "loss_fn"
             if "ExponentialMovingAverage" in str(name):
                 raise ValueError(f"{who} created variable {name!r} at inner step "
-                                 f"{self.step}: {_EMA_FIX}")
+                                 f"{self.step}: {scopes.EMA_FIX}")
             raise ValueError(
                 f"{who} created variable {name!r} at inner step "
                 f"{self.step}; variables must be created on the first call and "
@@ -907,167 +862,6 @@ def ensure_variable_stores():
     makes the variables the outer graph's ``get_variable`` finds."""
     variable_scope_lib._get_default_variable_store()  # (no public accessor)
     variable_scope_lib.get_variable_scope_store()
-
-
-def _reuse_variables(reuse):
-    """From step 2 on, ``get_variable`` returns the variables step 1 made."""
-    if not reuse:
-        return contextlib.nullcontext()
-    return tf.compat.v1.variable_scope(
-        tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
-
-
-# Collections of variables (made by step 1 alone), and of other things than ops and tensors.
-_VARIABLE_COLLECTIONS = frozenset({
-    tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
-    tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES, tf.compat.v1.GraphKeys.MODEL_VARIABLES,
-    tf.compat.v1.GraphKeys.MOVING_AVERAGE_VARIABLES, tf.compat.v1.GraphKeys.METRIC_VARIABLES,
-    tf.compat.v1.GraphKeys.CONCATENATED_VARIABLES, tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
-    tf.compat.v1.GraphKeys.RESOURCES, tf.compat.v1.GraphKeys.LOCAL_RESOURCES})
-
-
-@dataclasses.dataclass
-class _Collections:
-    """The graph's collections of ops and tensors (``UPDATE_OPS``, the ``'losses'`` of the
-    CIFAR-10 tutorial's ``tf.add_to_collection('losses', ...)`` and
-    ``tf.add_n(tf.get_collection('losses'))``, ``tf.compat.v1.losses``' ``LOSSES``) as
-    they were before step 1, so that each step's ``loss_fn`` sees the collections a
-    single step's would: those from before, and its own additions. Step k's would
-    otherwise follow step 1's, and a sum over the collection would add step 1's terms,
-    computed from the weights before the run, to step k's. After each step the
-    collections are put back as step 1 left them (a single-step graph's)."""
-
-    before: dict  # key -> items before step 1
-    first_added: dict = dataclasses.field(default_factory=dict)  # key -> items step 1 added
-
-    @classmethod
-    def read(cls, graph):
-        return cls({key: list(graph.get_collection(key)) for key in _op_collections(graph)})
-
-    @contextlib.contextmanager
-    def per_step(self, graph, first, label, step):
-        """Around one step's ``loss_fn``; yields ``{key: items this step added}``."""
-        added = {}
-        kept = {key: list(graph.get_collection(key)) for key in _op_collections(graph)}
-        if not first:
-            for key, items in self.first_added.items():
-                # A lazily evaluated item (get_variable's regularizer term) makes its ops
-                # anew, in the step, wherever it is used: it stays.
-                graph.get_collection_ref(key)[:] = self.before.get(key, []) + [
-                    x for x in items if not _made(x)]
-        start = {key: len(graph.get_collection(key)) for key in _op_collections(graph)}
-        yield added
-        for key in _op_collections(graph):
-            items = graph.get_collection_ref(key)
-            added[key] = items[start.get(key, 0):]
-            if not first:  # back as step 1 left them
-                items[:] = kept.get(key, [])
-        added = {key: items for key, items in added.items() if items}
-        if first:
-            self.first_added = dict(added)
-            return
-        for key, items in self.first_added.items():
-            items = [x for x in items if _made(x)]
-            if len([x for x in added.get(key, ()) if _made(x)]) != len(items):
-                names = ", ".join(f"'{getattr(x, 'name', x)}'" for x in items[:3])
-                raise ValueError(
-                    f"{label}: step 1's loss_fn added {len(items)} item(s) to the graph "
-                    f"collection '{key}' ({names}), inner step {step}'s added "
-                    f"{len(added.get(key, ()))}. Each step sees the collections as a single "
-                    f"step would, its own terms in them, so every step must add its own: a "
-                    f"term made once, when step 1 created a variable (a layer's "
-                    f"kernel_regularizer puts its penalty in 'regularization_losses' then), "
-                    f"would be missing from every later step, or read the weights from "
-                    f"before the run. Compute such a term inside loss_fn from the weights "
-                    f"(e.g. 0.01 * tf.reduce_sum(tf.square(kernel)) for kernel_regularizer="
-                    f"l2(0.01), added to the loss in place of get_regularization_loss()).")
-
-
-def _op_collections(graph):
-    """The keys of ``graph``'s collections that may hold a step's ops and tensors (not
-    variables, nor v1 control flow's contexts)."""
-    return [key for key in graph.get_all_collection_keys()
-            if isinstance(key, str) and key not in _VARIABLE_COLLECTIONS
-            and not any(type(x).__name__.endswith("Context") for x in graph.get_collection(key))]
-
-
-def _made(item):
-    """Whether a collection's ``item`` was made once: not a ``_LazyEvalTensor`` (what
-    ``get_variable(regularizer=...)`` adds), which makes its ops where it is used."""
-    return type(item).__name__ != "_LazyEvalTensor"
-
-
-@dataclasses.dataclass(frozen=True)
-class _NameCounters:
-    """The per-graph counters that number unnamed layers and variable scopes.
-
-    An unnamed ``tf.compat.v1.layers.dense`` (tf-keras) or a
-    ``variable_scope(None, default_name="block")`` takes the next free name
-    (``dense``, ``dense_1``, ...) each time it is called; ``loss_fn`` is called
-    once per step, so step 2 would ask for ``dense_1/kernel``. Steps 2..N run
-    ``loss_fn`` with the counters as step 1 found them, so they ask for step 1's
-    names and reuse its variables; afterwards the counters are put back as step
-    1 left them, as a single-step graph leaves them.
-    """
-
-    keras_uids: dict
-    scope_counts: dict
-
-    @staticmethod
-    def _keras_uid_map():
-        backend = sys.modules.get("tf_keras.src.backend")  # only if tf-keras is in use
-        return backend.get_default_graph_uid_map() if backend is not None else None
-
-    @classmethod
-    def read(cls):
-        uids = cls._keras_uid_map()
-        return cls(dict(uids) if uids is not None else {},
-                   dict(variable_scope_lib.get_variable_scope_store().variable_scopes_count))
-
-    def write(self):
-        uids = self._keras_uid_map()
-        if uids is not None:
-            uids.clear()
-            uids.update(self.keras_uids)
-        counts = variable_scope_lib.get_variable_scope_store().variable_scopes_count
-        counts.clear()
-        counts.update(self.scope_counts)
-
-    @contextlib.contextmanager
-    def restored(self):
-        after = _NameCounters.read()
-        self.write()
-        try:
-            yield
-        finally:
-            after.write()
-
-
-_EMA_FIX = ("ExponentialMovingAverage.apply on a tensor (a loss) makes a shadow variable "
-            "named after that tensor, and every step's tensor is a new one. Average a tensor "
-            "in a variable of your own made before ms.unroll, e.g. avg.assign(0.9 * avg + "
-            "0.1 * loss) added to UPDATE_OPS inside loss_fn; ema.apply(var_list) of variables "
-            "(in after_apply) works as is.")
-
-
-@contextlib.contextmanager
-def _variables_named_per_step(first, step):
-    """From step 2 on, ``get_variable`` reuses step 1's variables: one whose name depends
-    on the step (an EMA's shadow of a tensor, named after it) does not exist, and
-    TensorFlow's error advises ``reuse=tf.AUTO_REUSE``, which would make a variable per
-    step. Said plainly, with the fix."""
-    try:
-        yield
-    except ValueError as error:
-        text = str(error)
-        if first or "does not exist, or was not created with tf.get_variable()" not in text:
-            raise
-        name = text.split("Variable ", 1)[-1].split(" does not exist", 1)[0]
-        why = (_EMA_FIX if "ExponentialMovingAverage" in name else
-               "Every step must use step 1's variables: a variable's name must not depend on "
-               "the step (nor on a tensor's name).")
-        raise ValueError(f"loss_fn asked for variable {name!r} at inner step {step}, which "
-                         f"step 1 did not create. {why}") from None
 
 
 def _call_loss_fn(loss_fn, args, step):

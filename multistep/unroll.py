@@ -507,10 +507,6 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length)
 
 
-# Per graph: (label, variables written, variables read) of each ms.unroll built in it.
-_BUILT = weakref.WeakKeyDictionary()
-
-
 def _warn_racing(graph, ops, written, label):
     """Warn when this build writes state an earlier ``ms.unroll`` in the graph reads or
     writes, or reads state it writes: fetched in one ``sess.run``, the two would be two
@@ -518,7 +514,12 @@ def _warn_racing(graph, ops, written, label):
     read = {source for op in ops for source in map(lint.source_op, op.inputs)
             if source.type in ("VarHandleOp", "VariableV2")}
     written = set(written)
-    for other, other_written, other_read in _BUILT.get(graph, []):
+    # (label, variables written, variables read) of each ms.unroll built in the graph,
+    # kept on it (a module-level map from graphs to their ops would keep them alive).
+    if not hasattr(graph, "_multistep_builds"):
+        graph._multistep_builds = []
+    built = graph._multistep_builds
+    for other, other_written, other_read in built:
         shared = (written & (other_written | other_read)) | (read & other_written)
         if shared:
             names = ", ".join(sorted(f"'{op.name}'" for op in shared)[:4])
@@ -532,7 +533,7 @@ def _warn_racing(graph, ops, written, label):
                 f"ms.phase(g_loss, g_opt, var_list=G)], steps=N).",
                 RuntimeWarning, stacklevel=lint.user_stacklevel())
             break
-    _BUILT.setdefault(graph, []).append((label, written, read))
+    built.append((label, written, read))
 
 
 def _chain(step, feed, steps, end, watched, label, first_seconds, carried=None):

@@ -189,14 +189,20 @@ LEGACY = textwrap.dedent("""
 """)
 
 
-def test_tf1_layers_named_and_unnamed_under_tf_keras_match_canonical_single_steps(tmp_path):
+def run_legacy(tmp_path, source):
+    """Runs ``source`` under TF_USE_LEGACY_KERAS=1 (read at import: a process of its own);
+    returns the JSON of its last line."""
     script = tmp_path / "legacy.py"
-    script.write_text(LEGACY)
+    script.write_text(source)
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tf1_layers_named_and_unnamed_under_tf_keras_match_canonical_single_steps(tmp_path):
+    results = run_legacy(tmp_path, LEGACY)
     assert sorted(results) == ["Adam-unrolled", "Adam-while_loop", "GradientDescent-unrolled",
                                "GradientDescent-while_loop", "gru-unrolled", "gru-while_loop",
                                "lstm-unrolled", "lstm-while_loop", "unnamed-unrolled",
@@ -262,13 +268,7 @@ def test_tf_keras_batch_norm_on_a_training_placeholder_with_update_ops_all(tmp_p
     default with the advice update_ops="all", which then runs the conds (it used to run
     only plain writes, and the refusal sent the user round in a circle); bitwise with
     the canonical tf-keras single step (its `layer.updates` before minimize)."""
-    script = tmp_path / "tf_keras_bn.py"
-    script.write_text(TF_KERAS_BN)
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = run_legacy(tmp_path, TF_KERAS_BN)
     assert out["moved"]
     assert out["unrolled"] == [] and out["while_loop"] == [], out
     assert "update_ops='all'" in out["refused"] and "conds holding the writes" in out["refused"]

@@ -7,7 +7,6 @@ import importlib.util
 import pathlib
 import warnings
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
