@@ -120,6 +120,6 @@ def test_log_uniform_candidates_follow_the_log_uniform_distribution():
     p = lambda c: (np.log(c + 2.0) - np.log(c + 1.0)) / log_range  # noqa: E731
     assert np.array_equal(t, (p(true) * 1000).astype(np.float32))
     assert np.array_equal(e, (p(s) * 1000).astype(np.float32))
-    assert np.allclose(t, tf_t, rtol=2.0 ** -23, atol=0)
+    assert np.allclose(t, tf_t, rtol=2.0 ** -23, atol=0)  # one float32 rounding apart (above)
     # The low classes are the frequent ones: class 0 about log(2)/log(51) of the draws.
     assert abs(np.mean(s == 0) - p(0)) < 4 * np.sqrt(p(0) * (1 - p(0)) / 1000)  # 4 sigma
