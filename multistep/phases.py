@@ -117,6 +117,8 @@ class Phased:
         if callable(args):
             with tf.control_dependencies(deps), tf.name_scope("inputs"):
                 args = args()  # once: every phase takes the step's batch
+        graph = tf.compat.v1.get_default_graph()
+        first_op = len(graph.get_operations())
         outputs, ends, after, phase_outputs = {}, [], list(deps), []
         for step, name in zip(self.steps, self.names):
             with tf.name_scope(name):
@@ -127,7 +129,7 @@ class Phased:
             if self.order == "chained":
                 after = [end]
         if self.order == "simultaneous":
-            _apply_after_every_gradient(self.steps)
+            _apply_after_every_gradient(self.steps, graph.get_operations()[first_op:])
         outputs["loss"] = outputs[f"loss/{self.names[-1]}"]
         if self.summarized:
             with tf.control_dependencies(ends):
@@ -137,14 +139,13 @@ class Phased:
             return outputs, tf.no_op(name="phases_done")
 
 
-def _apply_after_every_gradient(steps):
-    """Order every write of each phase's apply after every other phase's loss and
-    gradients (what their reads feed): the phases then all read the weights as the
-    step found them."""
-    graph = tf.compat.v1.get_default_graph()
+def _apply_after_every_gradient(steps, ops):
+    """Order every write of each phase's apply (among ``ops``, this step's) after every
+    other phase's loss and gradients (what their reads feed): the phases then all read
+    the weights as the step found them."""
     for step in steps:
         before = [t.op for other in steps if other is not step for t in other.before_apply]
-        for op in graph.get_operations():
+        for op in ops:
             if op.name.startswith(step.apply_scope) and lint.is_write(op):
                 op._add_control_inputs([b for b in before if b not in op.control_inputs])
 
