@@ -226,8 +226,15 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         first, bitwise = None, True
         fused_losses, single_losses = [], []
         for run in range(runs):
-            got = fused.run(run)
-            want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
+            try:
+                got = fused.run(run)
+                want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
+            except tf.errors.OutOfRangeError as error:
+                raise ValueError(
+                    f"verify: the input ran out in run {run + 1} of {runs}: each build makes "
+                    f"steps x runs = {steps * runs} steps, one batch each, and its input had "
+                    f"fewer. Give it that many batches (e.g. dataset.repeat()) or ask for fewer "
+                    f"runs.") from error
             if run == 0:
                 difference, same_kernels = _compare_kernels(fused, single)
             if plain is not None:

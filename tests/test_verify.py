@@ -281,3 +281,10 @@ def test_a_divergence_reports_the_kernels_without_being_asked():
     assert not report.ok
     # naive_build is not ms.unroll's: no step scopes to read the kernels of.
     assert report.same_kernels is None and "kernels: not compared" in report.summary()
+
+
+def test_an_input_that_runs_out_says_so():
+    """6 batches, 2 runs of 4 steps: the second fused run finds 2 of its 4 batches."""
+    with pytest.raises(ValueError, match=r"the input ran out in run 2 of 2: each build makes "
+                                         r"steps x runs = 8 steps"):
+        ms.verify(lambda steps: fed_dataset_build(steps, "dict"), steps=4, runs=2)
