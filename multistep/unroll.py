@@ -400,6 +400,15 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
     if carry is not None:
         if step_lib.in_replica_context():
             raise ValueError("carry= is not supported under a tf.distribute strategy.")
+        if mode == "while_loop" and not xla and not tf.compat.v1.control_flow_v2_enabled():
+            # A v1 loop variable whose first value step 1 computed from the weights: v1
+            # tf.gradients in the body refuses to differentiate "through the initial value
+            # of a loop variable", stop_gradient or not.
+            raise ValueError(
+                "carry= with mode='while_loop' needs v2 control flow (on unless "
+                "tf.compat.v1.disable_v2_behavior() or disable_control_flow_v2() turned it "
+                "off): under v1 control flow use mode='unrolled' (or xla=True, whose loop is a "
+                "function's, v2).")
         step.initial_carry = tf.nest.map_structure(tf.convert_to_tensor, carry)
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())

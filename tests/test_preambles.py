@@ -104,3 +104,59 @@ def test_xla_over_ref_variables_is_refused_with_the_reason():
     assert ("TypeError: xla=True needs resources variables, but 'w' is a ref variable"
             .replace("resources", "resource") in result.stderr), result.stderr[-2000:]
     assert "enable_resource_variables()" in result.stderr
+
+
+NEW_UNDER_V1 = """
+import json, sys
+import numpy as np, tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+sys.path[:0] = ["examples", "tests"]
+import gan, test_carry as tc
+import multistep as ms
+V1 = tf.compat.v1
+out = {}
+for order in ("chained", "simultaneous"):
+    for mode in ("unrolled", "while_loop"):
+        (want, want_losses), (got, got_losses) = gan.single_steps(order), gan.fused(order, mode)
+        out[f"gan:{order}:{mode}"] = (sorted(got) == sorted(want) and got_losses.tobytes() ==
+                                      want_losses.tobytes() and all(
+            got[n].tobytes() == want[n].tobytes() for n in want))
+want, _, want_state = tc.feed_dict_original("ref", 12)
+with tf.Graph().as_default():
+    words = V1.placeholder(tf.int32, [3, tc.BATCH, tc.TIME + 1])
+    state = tuple(V1.placeholder(tf.float32, [tc.BATCH, tc.HIDDEN]) for _ in range(2))
+    u = ms.unroll(tc.language_model("ref"), V1.train.AdamOptimizer(0.02), 3, inputs=words,
+                  carry=state)
+    with V1.Session() as sess:
+        sess.run(V1.global_variables_initializer())
+        now = (np.zeros([tc.BATCH, tc.HIDDEN], np.float32),) * 2
+        for r in range(4):
+            _, now = sess.run([u.train_op, u.carry], {words: tc.WORDS[3 * r:3 * r + 3],
+                                                      state[0]: now[0], state[1]: now[1]})
+        got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    out["carry:ref:unrolled"] = all(got[n].tobytes() == want[n].tobytes() for n in want) and all(
+        a.tobytes() == b.tobytes() for a, b in zip(now, want_state))
+    try:
+        ms.unroll(tc.language_model("ref"), V1.train.AdamOptimizer(0.02), 3, inputs=words,
+                  carry=state, mode="while_loop", name="loop")
+        out["carry:while_loop"] = None
+    except ValueError as error:
+        out["carry:while_loop"] = str(error)
+print(json.dumps(out))
+"""
+
+
+def test_phases_and_carry_under_disable_v2_behavior():
+    """The canonical TF1 preamble (ref variables, v1 control flow): the GAN's phases in
+    both orders and modes, and carried LSTM state over ref variables unrolled, bitwise
+    with their single steps; carry in a v1 loop refused with the reason."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-c", NEW_UNDER_V1], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=WORKER.parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {k: v for k, v in out.items() if k != "carry:while_loop"} == {
+        "gan:chained:unrolled": True, "gan:chained:while_loop": True,
+        "gan:simultaneous:unrolled": True, "gan:simultaneous:while_loop": True,
+        "carry:ref:unrolled": True}
+    assert "needs v2 control flow" in out["carry:while_loop"]
