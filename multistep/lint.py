@@ -244,7 +244,19 @@ def captures(body):
     if isinstance(body, tf.Graph):
         return list(body.external_captures)
     return [op.inputs[0] for op in body
-            if op.type in ("Enter", "RefEnter") and op.get_attr("is_constant")]
+            if op.type in ("Enter", "RefEnter") and op.get_attr("is_constant")
+            and not _orders_only(op)]
+
+
+def _orders_only(enter):
+    """Whether a v1 loop's ``Enter`` carries an outside control input, not a value: a v1
+    ``WhileContext`` turns an op's control input from outside the loop (the loop's
+    ``control_dependencies`` on step 1's end) into ``Identity(Enter(its output))`` used as
+    a control input only. Step 1's end is its apply, whose output, with a ref global step,
+    aliases the global step, and was taken for a stale read of it."""
+    consumers = enter.outputs[0].consumers()
+    return bool(consumers) and all(c.type == "Identity" and not c.outputs[0].consumers()
+                                   for c in consumers)
 
 
 def check_captures(body, watched, *, name):

@@ -422,7 +422,13 @@ def _snapshot_ref_reads(ops, deps):
     carrying the ``deps`` control inputs, as a resource variable's ``ReadVariableOp``
     carries them), and drops those control inputs: the consumer still runs after
     ``deps``, through its input, and reaches Grappler in a single step's shape. Returns
-    the snapshot ops it made."""
+    the snapshot ops it made.
+
+    Not a cast (``tf.cast(global_step, tf.float32)``): Grappler's arithmetic optimizer
+    moves a cast ahead of a value-preserving op (``Cast(Identity(x))`` becomes
+    ``Identity(Cast(x))``), so a cast of the snapshot would read the variable itself, its
+    order left on the snapshot: step 2 read the global step from before step 1's apply
+    (a loss scaled by the step, 1e-2 off). A cast keeps its own control inputs."""
     deps = {_as_op(d) for d in deps}
     snapshots = {}
     if not deps:
@@ -430,7 +436,8 @@ def _snapshot_ref_reads(ops, deps):
     graph = tf.compat.v1.get_default_graph()
     for op in ops:
         ordering = [c for c in op.control_inputs if c in deps]
-        if not ordering or lint.is_write(op) or op.type in lint.ALIAS_OPS:
+        if (not ordering or lint.is_write(op) or op.type in lint.ALIAS_OPS
+                or op.type in _CAST_LIKE):
             continue
         rewired = False
         for index, tensor in enumerate(op.inputs):
@@ -499,6 +506,9 @@ def _order_calls(ops, deps):
             missing = [d for d in deps if d not in op.control_inputs]
             if missing:
                 op._add_control_inputs(missing)  # (no public way to add one after the fact)
+
+
+_CAST_LIKE = frozenset({"Cast", "Bitcast"})  # what Grappler reorders around an Identity
 
 
 def _opaque_true():

@@ -111,10 +111,20 @@ import json, sys
 import numpy as np, tensorflow as tf
 tf.compat.v1.disable_v2_behavior()
 sys.path[:0] = ["examples", "tests"]
-import gan, test_carry as tc
+import gan, test_carry as tc, test_sampling as tsa
 import multistep as ms
 V1 = tf.compat.v1
 out = {}
+# nce_loss over ref variables, its stateless sampler keyed on a ref global step read
+# through tf.cast (which Grappler moves ahead of a snapshot Identity: the cast must keep
+# its own order): bitwise with canonical single steps (the test raises otherwise).
+for loss in ("nce", "softmax"):
+    for mode in ("unrolled", "while_loop"):
+        try:
+            tsa.test_the_stateless_sampler_is_bitwise_with_canonical_single_steps(loss, mode)
+            out[f"sampler:{loss}:{mode}"] = True
+        except AssertionError as error:
+            out[f"sampler:{loss}:{mode}"] = str(error)
 for order in ("chained", "simultaneous"):
     for mode in ("unrolled", "while_loop"):
         (want, want_losses), (got, got_losses) = gan.single_steps(order), gan.fused(order, mode)
@@ -146,10 +156,11 @@ print(json.dumps(out))
 """
 
 
-def test_phases_and_carry_under_disable_v2_behavior():
+def test_phases_carry_and_samplers_under_disable_v2_behavior():
     """The canonical TF1 preamble (ref variables, v1 control flow): the GAN's phases in
-    both orders and modes, and carried LSTM state over ref variables unrolled, bitwise
-    with their single steps; carry in a v1 loop refused with the reason."""
+    both orders and modes, carried LSTM state over ref variables unrolled, and the
+    word2vec models with the stateless sampler (reading a ref global step) in both
+    modes, bitwise with their single steps; carry in a v1 loop refused with the reason."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run([sys.executable, "-c", NEW_UNDER_V1], capture_output=True, text=True,
                             timeout=600, env=env, cwd=WORKER.parents[1])
@@ -158,5 +169,6 @@ def test_phases_and_carry_under_disable_v2_behavior():
     assert {k: v for k, v in out.items() if k != "carry:while_loop"} == {
         "gan:chained:unrolled": True, "gan:chained:while_loop": True,
         "gan:simultaneous:unrolled": True, "gan:simultaneous:while_loop": True,
-        "carry:ref:unrolled": True}
+        "carry:ref:unrolled": True, "sampler:nce:unrolled": True, "sampler:nce:while_loop": True,
+        "sampler:softmax:unrolled": True, "sampler:softmax:while_loop": True}
     assert "needs v2 control flow" in out["carry:while_loop"]
