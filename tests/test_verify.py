@@ -176,8 +176,8 @@ def test_an_iterator_over_a_fed_placeholder_is_initialised_with_the_feed(feed):
     # 1 + 0.02 * 2 * |x|^2 <= 1.42 times: over 6 steps |Δw| <= 6 * 9u * 1.42**6 < 3e-5, and
     # |Δloss| <= 4 |r| (|x| |Δw| + 45u) < 2e-3. (Unfed data, all zeros, would leave w at 1:
     # 0.1 and more away from the reference.)
-    np.testing.assert_allclose(report.fused_losses, losses, rtol=0, atol=2e-3)
-    np.testing.assert_allclose(report.final_values["w"], w, rtol=0, atol=3e-5)
+    np.testing.assert_allclose(report.fused_losses, losses, rtol=0, atol=2e-3)  # |Δloss| bound above
+    np.testing.assert_allclose(report.final_values["w"], w, rtol=0, atol=3e-5)  # 6 * 9u * 1.42**6 < 3e-5
 
 
 def test_an_iterator_whose_placeholder_is_not_fed_is_refused_by_name():
