@@ -1,0 +1,455 @@
+"""The compiler: the single step the user built, run N times in one ``sess.run``.
+
+``compile(fetches, steps=N)`` takes what a training loop fetches every step (the train
+op, the loss, the summaries) and copies the subgraph they depend on, with the state
+shared: N copies, each ordered after the previous one (``mode="unrolled"``), or one copy
+as the body of a ``tf.while_loop`` run N times (``mode="while_loop"``). Step k reads the
+weights step k-1 wrote and recomputes its loss and gradients from them, as the k-th of N
+single ``sess.run`` calls would.
+
+The rule that decides what is shared and what is copied lives here and only here
+(``placement``): ops that own state (variables, iterators, tables, queues, readers) are
+shared; placeholders become per-step inputs; everything else, the stateful ops that
+use state included (reads, assigns, ``IteratorGetNext``, random ops, summaries), is
+copied.
+"""
+
+import collections
+import dataclasses
+import numbers
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from multistep import lint
+
+__all__ = ["COMPILE_MODES", "Compiled", "compile", "placement"]
+
+COMPILE_MODES = ("while_loop", "unrolled", "auto")
+
+# Ops that own state that outlives a step: shared by every copy. (Placeholders are the
+# step's inputs: each copy reads its own slice.)
+_STATE_OWNERS = frozenset({
+    "VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp",
+    "HashTable", "HashTableV2", "MutableHashTable", "MutableHashTableV2",
+    "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2", "MutableDenseHashTable",
+    "MutableDenseHashTableV2", "AnonymousHashTable", "AnonymousMutableHashTable",
+    "FIFOQueue", "FIFOQueueV2", "PaddingFIFOQueue", "PaddingFIFOQueueV2", "RandomShuffleQueue",
+    "RandomShuffleQueueV2", "PriorityQueue", "PriorityQueueV2",
+    "Iterator", "IteratorV2", "OneShotIterator", "MultiDeviceIterator",
+    "AnonymousIterator", "AnonymousIteratorV2", "AnonymousIteratorV3",
+    "WholeFileReader", "WholeFileReaderV2", "TextLineReader", "TextLineReaderV2",
+    "FixedLengthRecordReader", "FixedLengthRecordReaderV2", "TFRecordReader",
+    "TFRecordReaderV2", "IdentityReader", "IdentityReaderV2", "LMDBReader",
+    "ConditionalAccumulator", "SparseConditionalAccumulator", "Barrier", "MutexV2",
+    "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
+})
+_PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
+# Ops that make a resource for the step's own use, live only while it runs: copied.
+_STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
+                             "Stack", "TemporaryVariable"})
+_V1_LOOP = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                      "RefNextIteration", "Merge", "RefMerge", "LoopCond", "Switch",
+                      "RefSwitch"})
+_CAST_LIKE = frozenset({"Cast", "Bitcast"})
+
+
+def placement(op):
+    """``"shared"``, ``"input"`` or ``"copied"``: what the compiler does with ``op``
+    when a step's fetches reach it. Raises ``ValueError`` for an op that makes a resource
+    the rule cannot place (neither known state nor a step's temporary)."""
+    if op.type in _STATE_OWNERS:
+        return "shared"
+    if op.type in _PLACEHOLDERS:
+        return "input"
+    if op.type in _STEP_RESOURCES:
+        return "copied"
+    makes_state = any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.outputs)
+    if makes_state and not op.inputs and op.op_def.is_stateful:
+        raise ValueError(
+            f"ms.compile: the step reaches {op.name!r} ({op.type}), an op that makes state of "
+            f"its own; it is neither known state to share between the steps (variables, "
+            f"iterators, tables, queues, readers) nor a step's temporary to copy, so the "
+            f"compiler cannot tell whether N steps should share it. Please report the op "
+            f"type; meanwhile fetch a step that does not reach it.")
+    return "copied"
+
+
+def _ancestors_in_order(roots):
+    """Every op ``roots`` depend on (through inputs and control inputs), in the order the
+    graph holds them (its creation order)."""
+    seen = lint.ancestors(roots)
+    return sorted(seen, key=lambda op: op._id)  # noqa: SLF001 (creation order)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """The compiled N-step program: run ``train_op`` (or ``run``) once for N steps.
+
+    Attributes:
+      train_op: running it runs every step.
+      values: the fetches' structure, each tensor fetch now its N steps' values
+        (``[N, ...]``; loop mode ``[steps_per_run, ...]``), each op fetch ``train_op``.
+        Fetching any of them runs the steps once.
+      losses: float32 ``[N]``: the values of the fetch that is the loss (the one keyed
+        ``"loss"`` in a dict, else the only float scalar tensor fetched), or None.
+      inputs: original placeholder -> the ``[steps, ...]`` placeholder that feeds it
+        slice k at step k.
+      steps, name, mode, global_step, steps_per_run: as ``ms.Unrolled``'s.
+    """
+
+    train_op: tf.Operation
+    values: object
+    losses: object
+    inputs: dict
+    steps: int
+    name: str
+    mode: str
+    global_step: object = None
+    steps_per_run: object = None
+    records: dict = dataclasses.field(default_factory=dict)
+    summaries: object = None
+    why: object = None
+    _run_length: object = dataclasses.field(default=None, repr=False)
+    _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
+    _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
+                                           repr=False, compare=False)
+
+    def feed_dict(self, feed_dict):
+        """``feed_dict`` (the original placeholders, or their names, as keys) as the
+        compiled program's feed: a per-step input's value is ``[n, ...]`` (one slice a
+        step) or the placeholder's own shape (the same value every step)."""
+        out = {}
+        for key, value in (feed_dict or {}).items():
+            name = key if isinstance(key, str) else getattr(key, "name", None)
+            if name is not None and ":" not in name:
+                name += ":0"
+            fed = self._by_name.get(name)
+            if fed is None:
+                out[key] = value  # a placeholder the steps share, fed as it is
+                continue
+            original, per_step = fed
+            value = np.asarray(value, dtype=original.dtype.as_numpy_dtype)
+            rank = original.shape.rank
+            if rank is not None and value.ndim == rank:
+                value = value[None]  # the same batch at every step
+            elif rank is not None and value.ndim != rank + 1:
+                raise ValueError(
+                    f"{self.name}: the value fed to {original.name!r} has shape "
+                    f"{value.shape}; the placeholder has shape {original.shape}, so feed "
+                    f"[steps, *{original.shape}] (one batch per step) or "
+                    f"{original.shape} (the same batch every step).")
+            out[per_step] = value
+        return out
+
+    def run(self, session, feed_dict=None):
+        """Runs the steps once; returns the per-step values of the fetches (numpy)."""
+        return session.run(self.values, self.feed_dict(feed_dict))
+
+    def set_steps_per_run(self, session, n):
+        """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
+        mode only (as ``ms.Unrolled.set_steps_per_run``)."""
+        if self._run_length is None:
+            raise TypeError(
+                f"{self.name}: set_steps_per_run needs mode='while_loop'; mode='unrolled' "
+                f"holds exactly {self.steps} copies of the step.")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{self.name}: steps per run must be an int, got {n!r}.")
+        if not 1 <= n <= self.steps:
+            raise ValueError(f"{self.name}: steps per run must be in 1..{self.steps}, got {n}.")
+        session.run(self._run_length.assign, {self._run_length.value: int(n)})
+
+
+def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="multistep"):  # noqa: A001
+    """Compiles the single training step that ``fetches`` run into one op for ``steps``.
+
+    Args:
+      fetches: what the training loop fetches every step: a train op, ``[loss,
+        train_op]``, a dict, any nest of ops and tensors of one graph (several train ops
+        fetched together run together in each step, as a GAN's two optimizers do).
+      steps: N >= 1, the steps of one run (loop mode: the most of one run).
+      feeds: the placeholders that take one value per step (default: every placeholder
+        the step reads). A placeholder not listed is shared: fed once per run, as is.
+      mode: ``"while_loop"`` (default): one copy of the step as the body of a
+        ``tf.while_loop`` run N times: graph size independent of N, and a stateful random
+        op is one kernel that draws the single steps' stream. ``"unrolled"``: N copies,
+        ``name/step_k/<original name>``, each after the previous; refused for a step
+        with stateful random ops (each copy would restart the stream). ``"auto"``:
+        ``"while_loop"``.
+      xla: not yet supported with ``ms.compile`` (ValueError).
+      name: the name scope of the copies (and of the loop).
+
+    Returns:
+      A ``Compiled``: ``run(sess, feed_dict)`` takes the original placeholders as keys.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly():
+        raise RuntimeError("ms.compile compiles a tf.compat.v1 graph; call it inside "
+                           "`with graph.as_default():` (or after disable_eager_execution()).")
+    from multistep.unroll import positive_int
+    steps = positive_int("steps", steps)
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}.")
+    if xla is not False:
+        raise ValueError("ms.compile: xla=True is not supported yet; use ms.unroll(..., "
+                         "xla=True) or mode='while_loop' without XLA.")
+    flat = tf.nest.flatten(fetches)
+    if not flat:
+        raise ValueError("ms.compile: fetches is empty; give the train op (and the loss).")
+    roots = []
+    for i, item in enumerate(flat):
+        item = _graph_element(item, i)
+        if item.graph is not graph:
+            raise ValueError(f"ms.compile: fetch {item.name!r} is not in the default graph.")
+        roots.append(item)
+    ops = _ancestors_in_order([r if isinstance(r, tf.Operation) else r.op for r in roots])
+    where = {op: placement(op) for op in ops}
+    placeholders = [op for op in ops if where[op] == "input"]
+    fed = _per_step_placeholders(placeholders, feeds)
+    randoms = lint.stateful_random_ops(op for op in ops if where[op] == "copied")
+    if mode == "auto":
+        mode = "while_loop"
+    if mode == "unrolled" and steps > 1 and randoms:
+        raise ValueError(
+            f"ms.compile: the step draws with stateful random ops ({', '.join(randoms[:3])}); "
+            f"in mode='unrolled' each of the {steps} copies is a kernel of its own that "
+            f"restarts the op's stream, so the steps would draw other numbers than single "
+            f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
+            f"which draws the single steps' stream.")
+    copied = [op for op in ops if where[op] == "copied"]
+    template = _template(copied)
+    with tf.name_scope(name) as scope:
+        label = scope.rstrip("/")
+        with tf.name_scope("inputs"):
+            inputs = {p.outputs[0]: tf.compat.v1.placeholder(
+                p.outputs[0].dtype, tf.TensorShape([None]).concatenate(p.outputs[0].shape),
+                name=p.name.replace("/", "_")) for p in fed}
+        shared = {op for op in ops if where[op] != "copied"} - set(fed)
+        if mode == "unrolled":
+            values, end, run_length = _unrolled(template, roots, shared, inputs, steps, label)
+        else:
+            values, end, run_length = _while_loop(template, roots, shared, inputs, steps, label)
+        with tf.control_dependencies([end]):
+            train_op = tf.no_op(name="train")
+    outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
+    structured = tf.nest.pack_sequence_as(fetches, outputs)
+    return Compiled(
+        train_op=train_op, values=structured, losses=_losses(fetches, structured),
+        inputs=dict(inputs), steps=steps, name=label, mode=mode,
+        global_step=_global_step(graph, copied),
+        steps_per_run=run_length.variable if run_length is not None else None,
+        _run_length=run_length,
+        _by_name={original.name: (original, per_step) for original, per_step in inputs.items()})
+
+
+def _graph_element(item, index):
+    if isinstance(item, (tf.Operation, tf.Tensor)):
+        return item
+    if isinstance(item, tf.Variable):
+        return item.value() if hasattr(item, "handle") else item._ref()  # noqa: SLF001
+    raise TypeError(f"ms.compile: fetch {index} is {type(item).__name__} {item!r}, not an op "
+                    f"or a tensor.")
+
+
+def _per_step_placeholders(placeholders, feeds):
+    if feeds is None:
+        return placeholders
+    wanted = []
+    for item in tf.nest.flatten(feeds):
+        op = getattr(item, "op", item)
+        if not isinstance(op, tf.Operation) or op.type not in _PLACEHOLDERS:
+            raise TypeError(f"ms.compile: feeds must be placeholders, got {item!r}.")
+        if op not in placeholders:
+            raise ValueError(f"ms.compile: feeds names {op.name!r}, which the step does not read.")
+        wanted.append(op)
+    return [p for p in placeholders if p in wanted]
+
+
+_Template = collections.namedtuple("_Template", "graph_def names colocation outside")
+
+
+def _template(copied):
+    """The copied ops as a GraphDef to import once per copy, their colocation
+    constraints (``_class``) taken out: they are set again after the import, pointing at
+    the shared op itself or at the op's copy."""
+    graph_def = tf.compat.v1.GraphDef()
+    colocation = {}
+    for op in copied:
+        node = graph_def.node.add()
+        node.CopyFrom(op.node_def)
+        if "_class" in node.attr:
+            colocation[op.name] = [s.decode() for s in node.attr["_class"].list.s]
+            del node.attr["_class"]
+    names = {op.name for op in copied}
+    graph = copied[0].graph if copied else None
+    outside = {}  # what the copies take from outside: the shared ops and the placeholders
+    for node in graph_def.node:
+        for reference in node.input:
+            name = reference.lstrip("^")
+            if name.split(":")[0] in names:
+                continue
+            if reference.startswith("^"):  # an order on a shared op: kept (a value is needed)
+                outside[reference] = graph.get_operation_by_name(name).outputs[0]
+            else:
+                outside[reference] = graph.get_tensor_by_name(name if ":" in name else name + ":0")
+    return _Template(graph_def, [op.name for op in copied], colocation, outside)
+
+
+def _import(template, slices, prefix):
+    """One copy of the step under ``prefix``: the shared ops' outputs mapped to the
+    shared ops themselves, each per-step placeholder to ``slices[placeholder]``.
+    Returns {original name: the copy's op}."""
+    graph = tf.compat.v1.get_default_graph()
+    slices = {t.name: v for t, v in slices.items()}
+    input_map = {}
+    for reference, value in template.outside.items():  # "op:i" or "^op", as the copies name them
+        name = reference.lstrip("^")
+        value = slices.get(name if ":" in name else name + ":0", value)
+        input_map[reference] = value
+    if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
+        input_map = {k: graph.capture(v) if v.graph is not graph else v
+                     for k, v in input_map.items()}
+    # A name ending in "/" is taken as it is: the copy's ops are "<prefix>/<original name>".
+    imported = tf.import_graph_def(template.graph_def, input_map=input_map,
+                                   return_elements=template.names, name=prefix + "/")
+    copies = dict(zip(template.names, imported))
+    for name, classes in template.colocation.items():
+        names = [c[len("loc:@"):] for c in classes if c.startswith("loc:@")]
+        mapped = [f"loc:@{copies[n].name}" if n in copies else f"loc:@{n}" for n in names]
+        copies[name]._set_attr("_class", tf.compat.v1.AttrValue(  # noqa: SLF001
+            list=tf.compat.v1.AttrValue.ListValue(s=[m.encode() for m in mapped])))
+    return copies
+
+
+def _order_after(copies, before):
+    """Order the copy after ``before``: every op of it that nothing else in the copy
+    orders (no input or control input from the copy), every function call or functional
+    cond and loop (lowered before it runs, each op inside then waits only for the inputs
+    it uses), and every cast of a ref variable (Grappler moves a cast ahead of the
+    ``w/read`` alias that would order it) takes ``before`` as a control input. Ops
+    inside a v1 loop of the step are reached through its ``Enter`` ops."""
+    members = set(copies.values())
+    depth = {}  # the v1 frame depth at which an op receives its inputs (0: the copy's)
+    out = {}
+    for op in copies.values():  # creation order: inputs first but for a loop's back edges
+        preds = [t.op for t in op.inputs] + list(op.control_inputs)
+        inner = [p for p in preds if p in members]
+        depth[op] = max((out[p] for p in inner if p in out), default=0)
+        out[op] = depth[op] + (op.type in ("Enter", "RefEnter")) - (op.type in ("Exit", "RefExit"))
+        if depth[op]:
+            continue
+        ref_cast = op.type in _CAST_LIKE and lint.ref_variable_of(op.inputs[0]) is not None
+        if not inner or op.type in lint.CALL_OPS or ref_cast:
+            if before not in op.control_inputs:
+                op._add_control_input(before)  # noqa: SLF001 (no public way after the fact)
+
+
+def _fetched(copies, roots, outside):
+    """The copy's counterpart of each fetch (an op or a tensor); ``outside(root)`` for a
+    fetch the copy does not hold (a placeholder or a shared op)."""
+    out = []
+    for root in roots:
+        op = root if isinstance(root, tf.Operation) else root.op
+        if op.name not in copies:
+            out.append(outside(root))
+        elif isinstance(root, tf.Operation):
+            out.append(copies[op.name])
+        else:
+            out.append(copies[op.name].outputs[root.value_index])
+    return out
+
+
+def _end(fetched, name):
+    ops = [f if isinstance(f, tf.Operation) else f.op for f in fetched]
+    with tf.control_dependencies(ops):
+        return tf.no_op(name=name)
+
+
+def _prepared(inputs, count, label):
+    """Each per-step input as ``[count, ...]``: a value fed without the leading dimension
+    (``[1, ...]``, Compiled.feed_dict) broadcast to every step, else checked to hold one
+    batch per step."""
+    out = {}
+    for original, fed in inputs.items():
+        lead = tf.shape(fed, out_type=tf.int32)[0]
+        check = tf.debugging.Assert(
+            tf.logical_or(tf.equal(lead, count), tf.equal(lead, 1)),
+            [f"{label}: the value fed to {original.name!r} must hold one batch per step "
+             f"(leading dimension = the steps of the run), or be one batch for every step; "
+             f"leading dimension and steps:", lead, count])
+        with tf.control_dependencies([check]):
+            shape = tf.concat([[count], tf.shape(fed, out_type=tf.int32)[1:]], 0)
+            out[original] = tf.broadcast_to(fed, shape)
+    return out
+
+
+def _unrolled(template, roots, shared, inputs, steps, label):
+    with tf.name_scope("inputs"):
+        batches = _prepared(inputs, steps, label)
+    per_step, end = [], None
+    for k in range(1, steps + 1):
+        with tf.name_scope("inputs"):
+            slices = {original: batches[original][k - 1] for original in inputs}
+        copies = _import(template, slices, f"{label}/step_{k}")
+        if end is not None:
+            _order_after(copies, end)
+        fetched = _fetched(copies, roots, lambda root: slices.get(root, root))
+        per_step.append(fetched)
+        end = _end(fetched, f"step_{k}_end")
+    values = []
+    with tf.control_dependencies([end]):
+        for j, root in enumerate(roots):
+            if isinstance(root, tf.Operation):
+                values.append(None)
+            elif per_step[0][j] is root:  # a shared op fetched: its value after the run
+                values.append(tf.identity(root))
+            else:
+                values.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
+    return values, end, None
+
+
+def _while_loop(template, roots, shared, inputs, steps, label):
+    from multistep.unroll import _run_length
+    run_length = _run_length(steps, count_done=False)
+    count = run_length.read
+    with tf.name_scope("inputs"):
+        batches = _prepared(inputs, count, label)
+    tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
+
+    def body(i, arrays):
+        with tf.name_scope("inputs"):
+            slices = {original: tf.gather(batches[original], i) for original in inputs}
+        scope = tf.compat.v1.get_default_graph().get_name_scope()
+        copies = _import(template, slices, f"{scope}/step" if scope else "step")
+        _order_after(copies, i.op)
+        fetched = _fetched(copies, roots, lambda root: slices.get(root, tf.identity(root)))
+        end = _end(fetched, "end")
+        with tf.control_dependencies([end]):
+            written = [array.write(i, fetched[j]) for j, array in zip(tensors, arrays)]
+            return [i + 1, written]
+
+    arrays = [tf.TensorArray(roots[j].dtype, size=count, element_shape=roots[j].shape)
+              for j in tensors]
+    i, arrays = tf.while_loop(lambda i, _: i < count, body, [tf.constant(0), arrays],
+                              parallel_iterations=1, maximum_iterations=steps, name="loop")
+    stacked = dict(zip(tensors, (array.stack() for array in arrays)))
+    values = [stacked.get(j) for j in range(len(roots))]
+    return values, i.op, run_length
+
+
+def _losses(fetches, values):
+    if isinstance(values, dict) and "loss" in values:
+        return values["loss"]
+    scalars = [v for v, f in zip(tf.nest.flatten(values), tf.nest.flatten(fetches))
+               if isinstance(f, tf.Tensor) and f.dtype.is_floating and f.shape.rank == 0]
+    return scalars[0] if len(scalars) == 1 else None
+
+
+def _global_step(graph, copied):
+    step = tf.compat.v1.train.get_global_step(graph)
+    if step is None:
+        return None
+    owner = lint.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
+    written = lint.written_variables(copied)
+    return step if owner in written else None
