@@ -12,7 +12,7 @@ import types
 # Public name -> the submodule that defines it (a submodule itself maps to None).
 _NAMES = {
     "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
-    "unroll": "unroll", "phase": "phases",
+    "unroll": "unroll", "phase": "phases", "Compiled": "compile", "compile": "compile",
     "Report": "verify", "session_config": "verify", "verify": "verify",
     "RuleOptimizer": "rules",
     "StaleForwardError": "lint",

@@ -24,13 +24,13 @@ import tensorflow as tf
 
 from multistep import lint
 
-__all__ = ["COMPILE_MODES", "Compiled", "compile", "placement"]
+__all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
 
 COMPILE_MODES = ("while_loop", "unrolled", "auto")
 
 # Ops that own state that outlives a step: shared by every copy. (Placeholders are the
 # step's inputs: each copy reads its own slice.)
-_STATE_OWNERS = frozenset({
+STATE_OWNERS = frozenset({
     "VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp",
     "HashTable", "HashTableV2", "MutableHashTable", "MutableHashTableV2",
     "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2", "MutableDenseHashTable",
@@ -46,9 +46,11 @@ _STATE_OWNERS = frozenset({
     "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
 })
 _PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
-# Ops that make a resource for the step's own use, live only while it runs: copied.
+# Ops that make a resource for the step's own use, live only while it runs, or look up
+# shared state by a handle string (a feedable iterator): copied.
 _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
-                             "Stack", "TemporaryVariable"})
+                             "Stack", "TemporaryVariable", "IteratorFromStringHandle",
+                             "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
 _V1_LOOP = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
                       "RefNextIteration", "Merge", "RefMerge", "LoopCond", "Switch",
                       "RefSwitch"})
@@ -59,14 +61,13 @@ def placement(op):
     """``"shared"``, ``"input"`` or ``"copied"``: what the compiler does with ``op``
     when a step's fetches reach it. Raises ``ValueError`` for an op that makes a resource
     the rule cannot place (neither known state nor a step's temporary)."""
-    if op.type in _STATE_OWNERS:
+    if op.type in STATE_OWNERS:
         return "shared"
     if op.type in _PLACEHOLDERS:
         return "input"
     if op.type in _STEP_RESOURCES:
         return "copied"
-    makes_state = any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.outputs)
-    if makes_state and not op.inputs and op.op_def.is_stateful:
+    if any(map(_is_state, op.outputs)) and not any(map(_is_state, op.inputs)):
         raise ValueError(
             f"ms.compile: the step reaches {op.name!r} ({op.type}), an op that makes state of "
             f"its own; it is neither known state to share between the steps (variables, "
@@ -74,6 +75,10 @@ def placement(op):
             f"compiler cannot tell whether N steps should share it. Please report the op "
             f"type; meanwhile fetch a step that does not reach it.")
     return "copied"
+
+
+def _is_state(tensor):
+    return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # noqa: SLF001
 
 
 def _ancestors_in_order(roots):
@@ -266,7 +271,7 @@ def _per_step_placeholders(placeholders, feeds):
     return [p for p in placeholders if p in wanted]
 
 
-_Template = collections.namedtuple("_Template", "graph_def names colocation outside")
+_Template = collections.namedtuple("_Template", "graph_def names colocation outside frames")
 
 
 def _template(copied):
@@ -293,7 +298,8 @@ def _template(copied):
                 outside[reference] = graph.get_operation_by_name(name).outputs[0]
             else:
                 outside[reference] = graph.get_tensor_by_name(name if ":" in name else name + ":0")
-    return _Template(graph_def, [op.name for op in copied], colocation, outside)
+    frames = [i for i, node in enumerate(graph_def.node) if node.op in ("Enter", "RefEnter")]
+    return _Template(graph_def, [op.name for op in copied], colocation, outside, frames)
 
 
 def _import(template, slices, prefix):
@@ -310,8 +316,15 @@ def _import(template, slices, prefix):
     if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
         input_map = {k: graph.capture(v) if v.graph is not graph else v
                      for k, v in input_map.items()}
+    graph_def = template.graph_def
+    if template.frames:  # v1 loops: a frame name per copy (the executor keys loops by it)
+        graph_def = tf.compat.v1.GraphDef()
+        graph_def.CopyFrom(template.graph_def)
+        for index in template.frames:
+            attr = graph_def.node[index].attr["frame_name"]
+            attr.s = f"{prefix}/".encode() + attr.s
     # A name ending in "/" is taken as it is: the copy's ops are "<prefix>/<original name>".
-    imported = tf.import_graph_def(template.graph_def, input_map=input_map,
+    imported = tf.import_graph_def(graph_def, input_map=input_map,
                                    return_elements=template.names, name=prefix + "/")
     copies = dict(zip(template.names, imported))
     for name, classes in template.colocation.items():
@@ -420,8 +433,10 @@ def _while_loop(template, roots, shared, inputs, steps, label):
     def body(i, arrays):
         with tf.name_scope("inputs"):
             slices = {original: tf.gather(batches[original], i) for original in inputs}
+        # v1 control flow: the body is built under the loop's scope; v2: in a function
+        # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
-        copies = _import(template, slices, f"{scope}/step" if scope else "step")
+        copies = _import(template, slices, f"{scope}/body/step" if scope else "step")
         _order_after(copies, i.op)
         fetched = _fetched(copies, roots, lambda root: slices.get(root, tf.identity(root)))
         end = _end(fetched, "end")

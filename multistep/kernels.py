@@ -23,7 +23,7 @@ import re
 
 import tensorflow as tf
 
-__all__ = ["Kernel", "LOOP", "compare", "count", "executed", "of_steps"]
+__all__ = ["Kernel", "LOOP", "by_name", "compare", "count", "executed", "of_copies", "of_steps"]
 
 LOOP = "2..N"  # the key of loop mode's body in of_steps
 _SCOPES = ("forward", "gradients", "transform", "record", "check", "apply", "after_apply")
@@ -86,6 +86,34 @@ def of_steps(nodes, name="multistep"):
         within = re.sub(r"/_\d+/", "/_/", within)
         steps[step][within] = _kernel(node)
     return dict(steps)
+
+
+def of_copies(nodes, name="multistep"):
+    """The computing kernels of each copy of a step that ``ms.compile`` named ``name``
+    made: ``{step: {original name: Kernel}}``, steps 1, 2, ... (``name/step_k/``), or
+    ``LOOP`` for loop mode's body (``name/loop/body/.../step/``)."""
+    pattern = re.compile(rf"^{re.escape(name)}/(?:step_(\d+)|loop/body(?:/_\d+)?/step)/(.*)$")
+    steps = collections.defaultdict(dict)
+    for node in nodes:
+        match = pattern.match(node.name)
+        if match is not None and node.op not in _PLUMBING:
+            step = int(match.group(1)) if match.group(1) else LOOP
+            steps[step][_within(match.group(2))] = _kernel(node)
+    return dict(steps)
+
+
+def by_name(nodes):
+    """The computing kernels of a graph run as it was built (a single step): ``{name:
+    Kernel}``, names as ``of_copies`` gives them within a copy."""
+    from multistep.compile import STATE_OWNERS  # made once, shared by the copies
+    return {_within(node.name): _kernel(node) for node in nodes
+            if node.op not in _PLUMBING and node.op not in STATE_OWNERS}
+
+
+def _within(name):
+    # A lowered cond's or call's body is inlined as ``cond/then/_57/...``: the number
+    # counts the functions inlined so far in the graph, not a place in the step.
+    return re.sub(r"/_\d+/", "/_/", name)
 
 
 def count(nodes):

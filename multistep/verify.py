@@ -272,8 +272,11 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
 def _compare_kernels(fused, single):
     """(the first kernel difference or None, same kernels: True, False or None where
     a side's step kernels could not be read) from the programs' first runs."""
-    steps = kernels_lib.of_steps(fused.nodes, fused.label)
-    one = kernels_lib.of_steps(single.nodes, single.label).get(1)
+    # ms.unroll's steps are "<name>/step_k/<scope>/...", ms.compile's "<name>/step_k/<op>".
+    read = kernels_lib.of_copies if fused.compiled else kernels_lib.of_steps
+    steps = read(fused.nodes, fused.label)
+    singles = read(single.nodes, single.label)
+    one = singles.get(1, singles.get(kernels_lib.LOOP))  # (a compiled loop's one step)
     if not steps or one is None:
         return None, None
     difference = kernels_lib.compare(steps, one)
@@ -297,6 +300,11 @@ class _Program:
             if not (hasattr(unrolled, "train_op") and hasattr(unrolled, "losses")):
                 raise TypeError(f"build_fn({steps}) returned {type(unrolled).__name__} "
                                 "as unrolled; it needs .train_op and .losses (see ms.unroll).")
+            if unrolled.losses is None:
+                raise TypeError(
+                    f"build_fn({steps}) returned a program without losses: verify compares "
+                    f"each step's loss. Compile the loss with the train op, e.g. "
+                    f"ms.compile({{'loss': loss, 'train': train_op}}, steps).")
             if not (self.feed is None or isinstance(self.feed, dict) or callable(self.feed)):
                 raise TypeError(f"build_fn({steps}) returned a feed of type "
                                 f"{type(self.feed).__name__}; expected a dict or a callable run -> dict.")
@@ -304,6 +312,9 @@ class _Program:
             if n is not None and n != steps:
                 raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
             self.fetch = (unrolled.train_op, unrolled.losses)
+            # ms.compile's program takes the original placeholders, [steps, ...] values.
+            self.compiled = hasattr(unrolled, "feed_dict")
+            self._translate = unrolled.feed_dict if self.compiled else (lambda feed: feed)
             self.label = getattr(unrolled, "name", "multistep")
             self.variables = {_name(v): v for v in tf.compat.v1.global_variables()}
             self._placeholders, assigns = {}, []
@@ -341,7 +352,7 @@ class _Program:
         return feed
 
     def run(self, index):
-        feed = self.feed(index) if callable(self.feed) else self.feed
+        feed = self._translate(self.feed(index) if callable(self.feed) else self.feed)
         if self.nodes is None:
             values, self.nodes = kernels_lib.executed(self.session, self.fetch, feed)
         else:

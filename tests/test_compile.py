@@ -1,0 +1,197 @@
+"""ms.compile: the user's single step as written, N times in one sess.run, against the
+same program's own single sess.run calls.
+
+The programs (tests/compile_cases.py) run in a subprocess per preamble and oneDNN
+setting (both are process-global): every variable, slot and fetched value bitwise, each
+compiled step executing the single step's kernels (partition graphs, by name within
+the step), and in unrolled mode every read of step k descending from a write of step
+k-1 in the executed graph. The rest runs in this process, in graphs of its own.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+WORKER = pathlib.Path(__file__).with_name("compile_cases.py")
+PROGRAMS = ["mlp_dropout", "nce", "rnn", "batch_norm", "dataset", "gan", "summaries"]
+RANDOM = {"mlp_dropout": "dropout/random_uniform/RandomUniform",
+          "nce": "nce_loss/LogUniformCandidateSampler"}
+
+
+@pytest.mark.parametrize("onednn", ["1", "0"])
+@pytest.mark.parametrize("preamble", ["disable_eager_execution", "disable_v2_behavior"])
+def test_programs_as_written_are_bitwise_with_their_single_steps(preamble, onednn):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_USE_LEGACY_KERAS="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    cases = [f"{p}:{mode}" for p in PROGRAMS for mode in ("unrolled", "while_loop")]
+    result = subprocess.run([sys.executable, str(WORKER), preamble, *cases], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in rows] == cases
+    for row in rows:
+        program, mode = row["case"].split(":")
+        if program in RANDOM and mode == "unrolled":
+            # Each unrolled copy of a stateful random op restarts its stream: refused.
+            assert RANDOM[program] in row["refused"] and "mode='while_loop'" in row["refused"]
+            continue
+        assert "refused" not in row, row
+        assert row["max_delta"] == 0.0, (row["case"], {k: v for k, v in row["deltas"].items() if v})
+        assert row["kernel_difference"] is None, (row["case"], row["kernel_difference"])
+        assert row["kernels"] > 5, row  # the comparison saw the step's kernels
+        assert row["steps"] == (["1", "2", "3"] if mode == "unrolled" else ["2..N"]), row
+        assert row["unordered_reads"] == [], (row["case"], row["unordered_reads"])
+
+
+def _seed_004(graph):
+    """Seed 004's program as written: a dense layer, Adam, a global step, one batch."""
+    with graph.as_default():
+        x = V1.placeholder(tf.float32, [None, 3], name="x")
+        y = V1.placeholder(tf.float32, [None, 1], name="y")
+        w = V1.get_variable("w", initializer=np.full([3, 1], 0.5, np.float32))
+        b = V1.get_variable("b", initializer=np.zeros([1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+        step = V1.train.get_or_create_global_step()
+        train = V1.train.AdamOptimizer(0.1).minimize(loss, global_step=step)
+    return x, y, loss, train
+
+
+_rng = np.random.RandomState(4)
+X, Y = _rng.randn(16, 3).astype(np.float32), _rng.randn(16, 1).astype(np.float32)
+
+
+def _state(sess):
+    return {v.op.name: sess.run(v) for v in V1.global_variables()
+            if not v.op.name.startswith("multistep/")}
+
+
+def _single_steps(count, feed=lambda k: (X, Y)):
+    graph = tf.Graph()
+    x, y, loss, train = _seed_004(graph)
+    with V1.Session(graph=graph) as sess:
+        sess.run(V1.variables_initializer(graph.get_collection("variables")))
+        losses = [sess.run([loss, train], dict(zip((x, y), feed(k))))[0] for k in range(count)]
+        return np.array(losses, np.float32), _state(sess)
+
+
+def _bitwise(a, b):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert np.asarray(a[name]).tobytes() == np.asarray(b[name]).tobytes(), name
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_the_same_batch_every_step_needs_no_leading_dimension(mode):
+    want_losses, want = _single_steps(15)
+    graph = tf.Graph()
+    x, y, loss, train = _seed_004(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=5, mode=mode)
+        init = [V1.global_variables_initializer(), V1.local_variables_initializer()]
+    with V1.Session(graph=graph) as sess:
+        sess.run(init)
+        losses = np.concatenate([fused.run(sess, {x: X, y: Y})[0] for _ in range(3)])
+        got = _state(sess)
+    assert losses.tobytes() == want_losses.tobytes()
+    _bitwise(got, want)
+    assert fused.global_step is not None and fused.losses is not None
+
+
+def test_a_shortened_loop_run_takes_its_own_batches():
+    """set_steps_per_run(2) after a run of 4: the next run takes exactly 2 batches, bitwise
+    with 6 single steps; 4 batches fed to a run of 2 are refused before any step runs."""
+    batches = _rng.randn(6, 16, 3).astype(np.float32)
+    want_losses, want = _single_steps(6, lambda k: (batches[k], Y))
+    graph = tf.Graph()
+    x, y, loss, train = _seed_004(graph)
+    with graph.as_default():
+        fused = ms.compile({"loss": loss, "train": train}, steps=4)
+        init = [V1.global_variables_initializer(), V1.local_variables_initializer()]
+    with V1.Session(graph=graph) as sess:
+        sess.run(init)
+        first = fused.run(sess, {x: batches[:4], y: Y})["loss"]
+        fused.set_steps_per_run(sess, 2)
+        before = _state(sess)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="one batch per step"):
+            fused.run(sess, {x: batches[2:6], y: Y})
+        _bitwise(_state(sess), before)  # refused before any step ran
+        second = fused.run(sess, {x: batches[4:6], y: Y})["loss"]
+        got = _state(sess)
+    assert np.concatenate([first, second]).tobytes() == want_losses.tobytes()
+    _bitwise(got, want)
+
+
+def test_bad_feeds_and_fetches_are_refused_by_name():
+    graph = tf.Graph()
+    x, y, loss, train = _seed_004(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=3, mode="unrolled")
+        with pytest.raises(TypeError, match="fetch 0 is str"):
+            ms.compile(["loss", train], steps=3)
+        with pytest.raises(ValueError, match="steps must be an int >= 1"):
+            ms.compile([loss, train], steps=0)
+        with pytest.raises(ValueError, match="mode must be one of"):
+            ms.compile([loss, train], steps=2, mode="fast")
+        with pytest.raises(ValueError, match="feeds names 'z'"):
+            ms.compile([loss, train], steps=2, feeds=[V1.placeholder(tf.float32, name="z")])
+    with pytest.raises(ValueError, match=r"'x:0' has shape \(2, 2, 2, 3\)"):
+        fused.feed_dict({x: np.zeros([2, 2, 2, 3], np.float32)})
+    with pytest.raises(TypeError, match="needs mode='while_loop'"):
+        fused.set_steps_per_run(None, 2)
+
+
+def test_a_placeholder_left_out_of_feeds_is_shared_by_the_steps():
+    """feeds=[x, y]: a learning-rate placeholder is fed once per run, as it is."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = V1.placeholder(tf.float32, [None, 3])
+        rate = V1.placeholder(tf.float32, [], name="rate")
+        w = V1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        train = V1.train.GradientDescentOptimizer(rate).minimize(loss)
+        fused = ms.compile([loss, train], steps=2, feeds=[x])
+        init = V1.global_variables_initializer()
+    assert list(fused.inputs) == [x]
+    with V1.Session(graph=graph) as sess:
+        sess.run(init)
+        fused.run(sess, {x: X[None].repeat(2, 0), rate: 0.01})
+        got = sess.run(w)
+    want = np.ones([3, 1], np.float32)
+    for _ in range(2):  # plain gradient descent on the mean squared output, in float32
+        grad = (2.0 / len(X)) * X.T @ (X @ want)
+        want = want - np.float32(0.01) * grad.astype(np.float32)
+    # Two float32 steps of sums over 16 rows of 3 terms each: the numpy and TensorFlow sums
+    # may associate differently, a few float32 ulps of the weights' magnitude (~1).
+    np.testing.assert_allclose(got, want, rtol=0, atol=4 * 2.0 ** -23 * 16)
+
+
+def test_an_op_that_makes_unknown_state_is_refused():
+    graph = tf.Graph()
+    with graph.as_default():
+        accumulator = tf.raw_ops.AnonymousSeedGenerator(seed=1, seed2=2, reshuffle=False)
+        fetch = tf.identity(accumulator[1])
+        with pytest.raises(ValueError, match="AnonymousSeedGenerator"):
+            ms.compile([fetch], steps=2)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_verify_takes_a_compiled_program(mode):
+    batches = _rng.randn(12, 16, 3).astype(np.float32)
+
+    def build(steps):
+        x, y, loss, train = _seed_004(V1.get_default_graph())
+        fused = ms.compile({"loss": loss, "train": train}, steps, mode=mode)
+        return fused, lambda r: {x: batches[r * steps:(r + 1) * steps], y: Y}
+
+    report = ms.verify(build, steps=3, runs=4, explain=True)
+    assert report.ok and report.bitwise, report
+    assert report.same_kernels is True, report.summary()
