@@ -237,10 +237,13 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
             values, end, run_length = _while_loop(template, roots, shared, inputs, steps, label)
         with tf.control_dependencies([end]):
             train_op = tf.no_op(name="train")
+        with tf.control_dependencies([train_op]):
+            values = values()
     outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
     structured = tf.nest.pack_sequence_as(fetches, outputs)
     return Compiled(
         train_op=train_op, values=structured, losses=_losses(fetches, structured),
+        summaries=_summaries(fetches, structured),
         inputs=dict(inputs), steps=steps, name=label, mode=mode,
         global_step=_global_step(graph, copied),
         steps_per_run=run_length.variable if run_length is not None else None,
@@ -410,15 +413,18 @@ def _unrolled(template, roots, shared, inputs, steps, label):
         fetched = _fetched(copies, roots, lambda root: slices.get(root, root))
         per_step.append(fetched)
         end = _end(fetched, f"step_{k}_end")
-    values = []
-    with tf.control_dependencies([end]):
+
+    def values():  # built after the train op: fetching one runs the steps
+        out = []
         for j, root in enumerate(roots):
             if isinstance(root, tf.Operation):
-                values.append(None)
+                out.append(None)
             elif per_step[0][j] is root:  # a shared op fetched: its value after the run
-                values.append(tf.identity(root))
+                out.append(tf.identity(root))
             else:
-                values.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
+                out.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
+        return out
+
     return values, end, None
 
 
@@ -448,8 +454,12 @@ def _while_loop(template, roots, shared, inputs, steps, label):
               for j in tensors]
     i, arrays = tf.while_loop(lambda i, _: i < count, body, [tf.constant(0), arrays],
                               parallel_iterations=1, maximum_iterations=steps, name="loop")
-    stacked = dict(zip(tensors, (array.stack() for array in arrays)))
-    values = [stacked.get(j) for j in range(len(roots))]
+
+    def values():  # built after the train op: fetching one runs the steps
+        stacked = {j: tf.identity(array.stack(), name=f"values_{j}")
+                   for j, array in zip(tensors, arrays)}
+        return [stacked.get(j) for j in range(len(roots))]
+
     return values, i.op, run_length
 
 
@@ -459,6 +469,16 @@ def _losses(fetches, values):
     scalars = [v for v, f in zip(tf.nest.flatten(values), tf.nest.flatten(fetches))
                if isinstance(f, tf.Tensor) and f.dtype.is_floating and f.shape.rank == 0]
     return scalars[0] if len(scalars) == 1 else None
+
+
+def _summaries(fetches, values):
+    """The values of the fetch that is the step's merged summary: the one keyed "summary"
+    in a dict, else the only string scalar that a summary op makes; or None."""
+    if isinstance(values, dict) and "summary" in values:
+        return values["summary"]
+    found = [v for v, f in zip(tf.nest.flatten(values), tf.nest.flatten(fetches))
+             if isinstance(f, tf.Tensor) and f.dtype == tf.string and f.op.type.endswith("Summary")]
+    return found[0] if len(found) == 1 else None
 
 
 def _global_step(graph, copied):

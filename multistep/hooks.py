@@ -40,6 +40,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from multistep.compile import Compiled
 from multistep.unroll import Unrolled
 
 __all__ = ["AutoStepsHook", "FinalOpsHook", "InputExhaustedHook", "LoggingHook", "NanHook",
@@ -64,8 +65,9 @@ class _Runs:
     """
 
     def __init__(self, unrolled, who, *, needs_global_step=True):
-        if not isinstance(unrolled, Unrolled):
-            raise TypeError(f"{who} takes the Unrolled that ms.unroll returned, got "
+        if not isinstance(unrolled, (Unrolled, Compiled)):
+            raise TypeError(f"{who} takes the Unrolled that ms.unroll returned (or the "
+                            f"Compiled of ms.compile), got "
                             f"{type(unrolled).__name__}.")
         if needs_global_step and unrolled.global_step is None:
             raise ValueError(

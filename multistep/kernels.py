@@ -144,8 +144,9 @@ def compare(steps, single):
     the same kernels under the same names. Steps in order, step 1 first."""
     for step in sorted(steps, key=lambda s: (s == LOOP, s if s != LOOP else 0)):
         kernels = steps[step]
-        fused = tuple((n, k) for n, k in kernels.items() if single.get(n) != k)
-        alone = tuple((n, k) for n, k in single.items() if kernels.get(n) != k)
+        # By name: the partition graphs list a graph's nodes in an order that varies.
+        fused = tuple(sorted((n, k) for n, k in kernels.items() if single.get(n) != k))
+        alone = tuple(sorted((n, k) for n, k in single.items() if kernels.get(n) != k))
         if fused or alone:
             return Difference(step, fused, alone)
     return None

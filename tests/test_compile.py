@@ -195,3 +195,75 @@ def test_verify_takes_a_compiled_program(mode):
     report = ms.verify(build, steps=3, runs=4, explain=True)
     assert report.ok and report.bitwise, report
     assert report.same_kernels is True, report.summary()
+
+
+def _summary_program(graph):
+    """A tf.data-fed MLP with a scalar and a histogram summary and a global step."""
+    with graph.as_default():
+        data = tf.data.Dataset.from_tensor_slices((_BATCHES, _LABELS)).repeat()
+        x, y = V1.data.make_one_shot_iterator(data).get_next()
+        h = tf.tanh(tf.matmul(x, V1.get_variable("w1", initializer=np.full([3, 4], 0.3, np.float32))))
+        logits = tf.matmul(h, V1.get_variable("w2", initializer=np.full([4, 2], -0.2, np.float32)))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        V1.summary.scalar("xent", loss)
+        V1.summary.histogram("hidden", h)
+        train = V1.train.GradientDescentOptimizer(0.5).minimize(
+            loss, global_step=V1.train.get_or_create_global_step())
+        merged = V1.summary.merge_all()
+        # TensorFlow's FinalOpsHook reads the variables once the session ends.
+        final = V1.train.FinalOpsHook({v.op.name: v.read_value() for v in V1.global_variables()})
+    return loss, train, merged, final
+
+
+_BATCHES = _rng.randn(7, 16, 3).astype(np.float32)
+_LABELS = _rng.randint(0, 2, size=(7, 16)).astype(np.int32)
+
+
+def _events(directory, tags):
+    """(global step, tag, serialized value) of every summary value written under ``tags``."""
+    found = []
+    for path in sorted(pathlib.Path(directory).glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.tag in tags:
+                    found.append((event.step, value.tag, value.SerializeToString()))
+    return sorted(found)
+
+
+def test_monitored_training_with_ms_hooks_equals_tensorflows_hooks(tmp_path):
+    """MonitoredTrainingSession to global step 10 in runs of 4 (the last shortened to 2 by
+    ms.hooks.StopAtStepHook), each step's summaries written by ms.hooks.StepSummaryHook,
+    against single steps under TensorFlow's own StopAtStepHook and
+    SummarySaverHook(save_steps=1): the same weights, and the same summaries at the same
+    global steps."""
+    graph = tf.Graph()
+    loss, train, merged, final = _summary_program(graph)
+    with graph.as_default():
+        hooks = [V1.train.StopAtStepHook(last_step=10), final,
+                 V1.train.SummarySaverHook(save_steps=1, output_dir=str(tmp_path / "single"),
+                                           summary_op=merged)]
+        with V1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            while not sess.should_stop():
+                sess.run(train)
+    want = final.final_ops_values
+    graph = tf.Graph()
+    loss, train, merged, final = _summary_program(graph)
+    with graph.as_default():
+        fused = ms.compile({"loss": loss, "summary": merged, "train": train}, steps=4)
+        hooks = [ms.hooks.StopAtStepHook(fused, 10), final,
+                 ms.hooks.StepSummaryHook(fused, str(tmp_path / "fused"))]
+        runs = 0
+        with V1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            while not sess.should_stop():
+                fused.run(sess)
+                runs += 1
+    got = final.final_ops_values
+    V1.summary.FileWriterCache.clear()  # (its writers' threads)
+    assert runs == 3
+    _bitwise(got, want)
+    assert int(got["global_step"]) == 10
+    tags = {"xent", "hidden"}
+    single, compiled = _events(tmp_path / "single", tags), _events(tmp_path / "fused", tags)
+    assert [(step, tag) for step, tag, _ in single] == [
+        (step, tag) for step in range(1, 11) for tag in sorted(tags)]
+    assert compiled == single

@@ -262,7 +262,8 @@ def test_explain_names_the_first_kernel_that_differs():
     text = str(report.kernels)
     # Step 1 already has the control input; the single step fused the three ops into the
     # kernel named after the last of them (oneDNN on: _MklNativeFusedMatMul; off: _FusedMatMul).
-    assert text.startswith("step 1 ran forward/MatMul as "), text
+    # (The kernels are listed by name within the step.)
+    assert text.startswith("step 1 ran forward/BiasAdd as BiasAdd, forward/MatMul as "), text
     assert "forward/Relu as Relu" in text, text
     assert "a single step ran forward/Relu as " in text and "FusedMatMul(BiasAdd, Relu)" in text, text
     assert "kernels differ: step 1 ran" in report.summary()
