@@ -5,7 +5,9 @@ For blobs and the MLP with Adam, builds in a fresh graph and times (the median o
 - `hand chain`: the same N steps written by hand the canonical TF1 way, each
   `loss_fn()` and `opt.minimize(...)` under `control_dependencies` of the previous
   step's train op (no checks, no names, no records);
-- `forward+grads`: N times the forward pass and `tf.gradients` alone, unchained.
+- `forward+grads`: N times the forward pass and `tf.gradients` alone, unchained;
+- `compile unrolled` / `compile loop`: the canonical single step built once, then
+  `ms.compile` makes N copies of it (each imported from one GraphDef) or one loop body.
 Building a step means creating its ops in TensorFlow's Python graph builder; the
 hand chain is the least a graph of N real steps costs to build that way.
 
@@ -29,6 +31,16 @@ def _unrolled(loss_fn, steps):
               global_step=V1.train.get_or_create_global_step())
 
 
+def _compiled(mode):
+    def build(loss_fn, steps):
+        """The canonical single step, once, then ms.compile: N copies or one loop body."""
+        loss = loss_fn()
+        train = V1.train.AdamOptimizer(bench.LEARNING_RATE).minimize(
+            loss, global_step=V1.train.get_or_create_global_step())
+        ms.compile([loss, train], steps, mode=mode)
+    return build
+
+
 def _hand_chain(loss_fn, steps):
     opt = V1.train.AdamOptimizer(bench.LEARNING_RATE)
     global_step = V1.train.get_or_create_global_step()
@@ -46,7 +58,8 @@ def _forward_grads(loss_fn, steps):
         tf.gradients(loss, V1.trainable_variables())
 
 
-BUILDERS = {"ms.unroll": _unrolled, "hand chain": _hand_chain, "forward+grads": _forward_grads}
+BUILDERS = {"ms.unroll": _unrolled, "hand chain": _hand_chain, "forward+grads": _forward_grads,
+            "compile unrolled": _compiled("unrolled"), "compile loop": _compiled("while_loop")}
 
 
 def build_s(problem, builder, steps, repeats=3):

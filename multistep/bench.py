@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from multistep.choices import BENCH_PROBLEMS
+from multistep.compile import compile  # noqa: A004
 from multistep.unroll import unroll
 
 __all__ = ["METHODS", "PROBLEMS", "Result", "graph_costs", "graph_table", "plot", "run", "table",
@@ -116,6 +117,11 @@ def _v1_method(mode, xla):
             optimizer = V1.train.AdamOptimizer(LEARNING_RATE)
             if mode in ("sess.run", "make_callable"):
                 op, calls = optimizer.minimize(_graph_loss_fn(problem)(), global_step=gs), steps
+            elif mode.startswith("compile "):  # the single step, then ms.compile
+                loss = _graph_loss_fn(problem)()
+                op = compile([loss, optimizer.minimize(loss, global_step=gs)], steps,
+                             mode=mode.split()[1])
+                calls = 1
             else:
                 op = unroll(_graph_loss_fn(problem), optimizer, steps, global_step=gs, mode=mode,
                             xla=xla)
@@ -304,6 +310,8 @@ METHODS = {
     "while_loop": _v1_method("while_loop", False),
     "while_loop+xla": _v1_method("while_loop", True),
     "auto": _v1_method("auto", False),  # mode="auto": what it picks for the problem
+    "compile unrolled": _v1_method("compile unrolled", False),
+    "compile while_loop": _v1_method("compile while_loop", False),
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
     "tf.function+jit+losses": _tf2_method(True, losses=True),

@@ -46,6 +46,7 @@ STATE_OWNERS = frozenset({
     "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
 })
 _PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
+_PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
 # Ops that make a resource for the step's own use, live only while it runs, or look up
 # shared state by a handle string (a feedable iterator): copied.
 _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
@@ -149,8 +150,18 @@ class Compiled:
         return out
 
     def run(self, session, feed_dict=None):
-        """Runs the steps once; returns the per-step values of the fetches (numpy)."""
-        return session.run(self.values, self.feed_dict(feed_dict))
+        """Runs the steps once; returns the per-step values of the fetches (numpy).
+
+        Without a feed, on a plain ``Session``, through a callable made once per session
+        (``Session.make_callable``), as ``ms.Unrolled.run``; else ``session.run`` (a
+        ``MonitoredSession``'s hooks must see each run)."""
+        if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
+            return session.run(self.values, self.feed_dict(feed_dict))
+        if session not in self._callables:
+            for closed in [s for s in self._callables if s._closed]:  # noqa: SLF001
+                del self._callables[closed]  # (a callable holds its session alive)
+            self._callables[session] = session.make_callable(self.values)
+        return self._callables[session]()
 
     def set_steps_per_run(self, session, n):
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop

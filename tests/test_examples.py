@@ -10,6 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 EXPECTED = {  # a line each example must print: evidence it did its job
+    "as_written.py": "all three programs: bitwise equal",  # exit 1 unless each is
     "batch_norm.py": "(weights, slots, moving statistics): all bitwise equal",
     "blobs_three_steps.py": "refused: ",
     "ema_and_projection.py": "OK",
