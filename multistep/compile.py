@@ -233,6 +233,14 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
             f"restarts the op's stream, so the steps would draw other numbers than single "
             f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
             f"which draws the single steps' stream.")
+    collectives = [f"{op.name!r} ({op.type})" for op in ops
+                   if op.type.startswith(("Collective", "Nccl"))]
+    if mode == "unrolled" and steps > 1 and collectives:
+        raise ValueError(
+            f"ms.compile: the step all-reduces across devices ({', '.join(collectives[:3])}); "
+            f"each op carries its group and instance keys, and {steps} unrolled copies of one "
+            f"key would meet as one collective. Use mode='while_loop': one kernel per op, "
+            f"run once a step, as single steps run it.")
     copied = [op for op in ops if where[op] == "copied"]
     template = _template(copied)
     with tf.name_scope(name) as scope:
@@ -241,11 +249,10 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
             inputs = {p.outputs[0]: tf.compat.v1.placeholder(
                 p.outputs[0].dtype, tf.TensorShape([None]).concatenate(p.outputs[0].shape),
                 name=p.name.replace("/", "_")) for p in fed}
-        shared = {op for op in ops if where[op] != "copied"} - set(fed)
         if mode == "unrolled":
-            values, end, run_length = _unrolled(template, roots, shared, inputs, steps, label)
+            values, end, run_length = _unrolled(template, roots, inputs, steps, label)
         else:
-            values, end, run_length = _while_loop(template, roots, shared, inputs, steps, label)
+            values, end, run_length = _while_loop(template, roots, inputs, steps, label)
         with tf.control_dependencies([end]):
             train_op = tf.no_op(name="train")
         with tf.control_dependencies([train_op]):
@@ -411,12 +418,12 @@ def _prepared(inputs, count, label):
     return out
 
 
-def _unrolled(template, roots, shared, inputs, steps, label):
-    with tf.name_scope("inputs"):
+def _unrolled(template, roots, inputs, steps, label):
+    with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = _prepared(inputs, steps, label)
     per_step, end = [], None
     for k in range(1, steps + 1):
-        with tf.name_scope("inputs"):
+        with tf.compat.v1.name_scope(f"{label}/inputs/"):
             slices = {original: batches[original][k - 1] for original in inputs}
         copies = _import(template, slices, f"{label}/step_{k}")
         if end is not None:
@@ -439,11 +446,11 @@ def _unrolled(template, roots, shared, inputs, steps, label):
     return values, end, None
 
 
-def _while_loop(template, roots, shared, inputs, steps, label):
+def _while_loop(template, roots, inputs, steps, label):
     from multistep.unroll import _run_length
     run_length = _run_length(steps, count_done=False)
     count = run_length.read
-    with tf.name_scope("inputs"):
+    with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = _prepared(inputs, count, label)
     tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
 

@@ -267,3 +267,32 @@ def test_monitored_training_with_ms_hooks_equals_tensorflows_hooks(tmp_path):
     assert [(step, tag) for step, tag, _ in single] == [
         (step, tag) for step in range(1, 11) for tag in sorted(tags)]
     assert compiled == single
+
+
+def test_copies_keep_the_originals_names_colocation_and_devices():
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/device:CPU:0"):
+        x, y, loss, train = _seed_004(graph)
+    original = graph.get_operation_by_name("Adam/update_w/ResourceApplyAdam")
+    assert original.colocation_groups() == [b"loc:@w"]
+    with graph.as_default():
+        ms.compile([loss, train], steps=2, mode="unrolled")
+    for k in (1, 2):
+        copy = graph.get_operation_by_name(f"multistep/step_{k}/Adam/update_w/ResourceApplyAdam")
+        assert copy.colocation_groups() == [b"loc:@w"]  # the shared variable itself
+        assert copy.device == original.device == "/device:CPU:0"
+        assert copy.inputs[0] is original.inputs[0]  # the shared handle
+        grad = graph.get_operation_by_name(f"multistep/step_{k}/gradients/MatMul_grad/MatMul_1")
+        assert grad.colocation_groups() == [f"loc:@{grad.name}".encode()]  # its own, as before
+
+
+def test_unrolled_copies_of_a_collective_are_refused():
+    graph = tf.Graph()
+    with graph.as_default():
+        w = V1.get_variable("w", initializer=np.ones([2], np.float32))
+        total = tf.raw_ops.CollectiveReduceV2(
+            input=w.read_value(), group_size=1, group_key=1, instance_key=1,
+            ordering_token=[], merge_op="Add", final_op="Id")
+        train = w.assign_sub(0.1 * total)
+        with pytest.raises(ValueError, match="CollectiveReduceV2.*mode='while_loop'"):
+            ms.compile([train], steps=2, mode="unrolled")
