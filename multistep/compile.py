@@ -242,7 +242,7 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
             f"key would meet as one collective. Use mode='while_loop': one kernel per op, "
             f"run once a step, as single steps run it.")
     copied = [op for op in ops if where[op] == "copied"]
-    template = _template(copied)
+    template = _template(copied, fed)
     with tf.name_scope(name) as scope:
         label = scope.rstrip("/")
         with tf.name_scope("inputs"):
@@ -292,13 +292,17 @@ def _per_step_placeholders(placeholders, feeds):
     return [p for p in placeholders if p in wanted]
 
 
-_Template = collections.namedtuple("_Template", "graph_def names colocation outside frames")
+_Template = collections.namedtuple("_Template", "graph_def names colocation shared inputs ordered")
 
 
-def _template(copied):
-    """The copied ops as a GraphDef to import once per copy, their colocation
-    constraints (``_class``) taken out: they are set again after the import, pointing at
-    the shared op itself or at the op's copy."""
+def _template(copied, inputs):
+    """The copied ops as a GraphDef, each copy of the step made from it (``inputs``: the
+    per-step placeholder ops): their colocation
+    constraints (``_class``) taken out (set again after the import, pointing at the
+    shared op itself or at the op's copy), what they read from outside (``shared``: a
+    reference as the GraphDef writes it -> the shared tensor; ``inputs``: the names of
+    the per-step placeholders), and the ops that ``_needs_order`` orders after the
+    previous step."""
     graph_def = tf.compat.v1.GraphDef()
     colocation = {}
     for op in copied:
@@ -308,75 +312,115 @@ def _template(copied):
             colocation[op.name] = [s.decode() for s in node.attr["_class"].list.s]
             del node.attr["_class"]
     names = {op.name for op in copied}
+    placeholders = {p.name for p in inputs}
     graph = copied[0].graph if copied else None
-    outside = {}  # what the copies take from outside: the shared ops and the placeholders
+    shared = {}
     for node in graph_def.node:
         for reference in node.input:
-            name = reference.lstrip("^")
-            if name.split(":")[0] in names:
+            name = reference.lstrip("^").split(":")[0]
+            if name in names or name in placeholders:
                 continue
             if reference.startswith("^"):  # an order on a shared op: kept (a value is needed)
-                outside[reference] = graph.get_operation_by_name(name).outputs[0]
+                shared[reference] = graph.get_operation_by_name(name).outputs[0]
             else:
-                outside[reference] = graph.get_tensor_by_name(name if ":" in name else name + ":0")
-    frames = [i for i, node in enumerate(graph_def.node) if node.op in ("Enter", "RefEnter")]
-    return _Template(graph_def, [op.name for op in copied], colocation, outside, frames)
+                shared[reference] = graph.get_tensor_by_name(
+                    reference if ":" in reference else reference + ":0")
+    return _Template(graph_def, [op.name for op in copied], colocation, shared,
+                     placeholders, _needs_order(copied))
 
 
-def _import(template, slices, prefix):
-    """One copy of the step under ``prefix``: the shared ops' outputs mapped to the
-    shared ops themselves, each per-step placeholder to ``slices[placeholder]``.
-    Returns {original name: the copy's op}."""
-    graph = tf.compat.v1.get_default_graph()
-    slices = {t.name: v for t, v in slices.items()}
-    input_map = {}
-    for reference, value in template.outside.items():  # "op:i" or "^op", as the copies name them
-        name = reference.lstrip("^")
-        value = slices.get(name if ":" in name else name + ":0", value)
-        input_map[reference] = value
-    if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
-        input_map = {k: graph.capture(v) if v.graph is not graph else v
-                     for k, v in input_map.items()}
-    graph_def = template.graph_def
-    if template.frames:  # v1 loops: a frame name per copy (the executor keys loops by it)
-        graph_def = tf.compat.v1.GraphDef()
-        graph_def.CopyFrom(template.graph_def)
-        for index in template.frames:
-            attr = graph_def.node[index].attr["frame_name"]
-            attr.s = f"{prefix}/".encode() + attr.s
-    # A name ending in "/" is taken as it is: the copy's ops are "<prefix>/<original name>".
-    imported = tf.import_graph_def(graph_def, input_map=input_map,
-                                   return_elements=template.names, name=prefix + "/")
-    copies = dict(zip(template.names, imported))
-    for name, classes in template.colocation.items():
-        names = [c[len("loc:@"):] for c in classes if c.startswith("loc:@")]
-        mapped = [f"loc:@{copies[n].name}" if n in copies else f"loc:@{n}" for n in names]
-        copies[name]._set_attr("_class", tf.compat.v1.AttrValue(  # noqa: SLF001
-            list=tf.compat.v1.AttrValue.ListValue(s=[m.encode() for m in mapped])))
-    return copies
-
-
-def _order_after(copies, before):
-    """Order the copy after ``before``: every op of it that nothing else in the copy
-    orders (no input or control input from the copy), every function call or functional
-    cond and loop (lowered before it runs, each op inside then waits only for the inputs
-    it uses), and every cast of a ref variable (Grappler moves a cast ahead of the
-    ``w/read`` alias that would order it) takes ``before`` as a control input. Ops
-    inside a v1 loop of the step are reached through its ``Enter`` ops."""
-    members = set(copies.values())
-    depth = {}  # the v1 frame depth at which an op receives its inputs (0: the copy's)
-    out = {}
-    for op in copies.values():  # creation order: inputs first but for a loop's back edges
-        preds = [t.op for t in op.inputs] + list(op.control_inputs)
-        inner = [p for p in preds if p in members]
-        depth[op] = max((out[p] for p in inner if p in out), default=0)
-        out[op] = depth[op] + (op.type in ("Enter", "RefEnter")) - (op.type in ("Exit", "RefExit"))
-        if depth[op]:
+def _needs_order(copied):
+    """The ops of a copy that take the previous step's end as a control input: every op
+    that nothing else in the copy orders (no input or control input from the copy),
+    every function call or functional cond and loop (lowered before it runs, each op
+    inside then waits only for the inputs it uses), and every cast of a ref variable
+    (Grappler moves a cast ahead of the ``w/read`` alias that would order it). Ops inside
+    a v1 loop of the step are reached through its ``Enter`` ops (a control edge into a
+    v1 frame from outside it is invalid)."""
+    members = set(copied)
+    out, ordered = {}, set()  # out: the v1 frame depth of an op's outputs (0: the step's)
+    for op in copied:  # creation order: inputs first, but for a v1 loop's back edges
+        inner = [p for p in [t.op for t in op.inputs] + list(op.control_inputs) if p in members]
+        depth = max((out[p] for p in inner if p in out), default=0)
+        out[op] = depth + (op.type in ("Enter", "RefEnter")) - (op.type in ("Exit", "RefExit"))
+        if depth:
             continue
         ref_cast = op.type in _CAST_LIKE and lint.ref_variable_of(op.inputs[0]) is not None
         if not inner or op.type in lint.CALL_OPS or ref_cast:
-            if before not in op.control_inputs:
-                op._add_control_input(before)  # noqa: SLF001 (no public way after the fact)
+            ordered.add(op.name)
+    return ordered
+
+
+def _import(template, copies, roots):
+    """The copies of the step, in one ``import_graph_def`` (each import walks the whole
+    graph: one per copy made an unrolled build quadratic in N). ``copies``: a list of
+    ``(prefix, slices, before)``: the copy's ops are ``<prefix>/<original name>``, each
+    per-step placeholder reads ``slices[placeholder]``, and the ops ``_needs_order``
+    names take ``before`` as a control input: None, an op, or ``"previous"`` (the end of
+    the copy before it). Each copy ends with a NoOp ``<prefix>_end`` after the copies of
+    the fetches. Returns ({original name: op} of each copy, the end op of each copy)."""
+    graph = tf.compat.v1.get_default_graph()
+    graph_def = tf.compat.v1.GraphDef()
+    input_map = dict(template.shared)
+    copied = set(template.names)
+    fetched = [root if isinstance(root, tf.Operation) else root.op for root in roots]
+    fetched = [op.name for op in fetched if op.name in copied]
+    names = []
+    for k, (prefix, slices, before) in enumerate(copies):
+        for original, value in slices.items():
+            input_map[f"{prefix}/_input/{original.name}"] = value
+            input_map[f"^{prefix}/_input/{original.op.name}"] = value
+        order = None
+        if before == "previous":
+            order = f"^{copies[k - 1][0]}_end"
+        elif before is not None:
+            order = f"^{prefix}/_before"
+            input_map[order] = before.outputs[0]
+
+        def renamed(reference):
+            control = "^" if reference.startswith("^") else ""
+            name = reference.lstrip("^")
+            op_name = name.split(":")[0]
+            if op_name in copied:
+                return f"{control}{prefix}/{name}"
+            if op_name in template.inputs:
+                return f"{control}{prefix}/_input/{name if ':' in name or control else name + ':0'}"
+            return reference
+
+        for source in template.graph_def.node:
+            node = graph_def.node.add()
+            node.CopyFrom(source)
+            node.name = f"{prefix}/{source.name}"
+            node.input[:] = [renamed(i) for i in source.input]
+            if order is not None and source.name in template.ordered:
+                node.input.append(order)
+            if source.op in ("Enter", "RefEnter"):  # v1 loops: a frame name per copy
+                node.attr["frame_name"].s = f"{prefix}/".encode() + source.attr["frame_name"].s
+            names.append(node.name)
+        end = graph_def.node.add()
+        end.name, end.op = f"{prefix}_end", "NoOp"
+        end.input[:] = [f"^{prefix}/{name}" for name in fetched]
+        names.append(end.name)
+    used = {i for node in graph_def.node for i in node.input}
+    input_map = {k: v for k, v in input_map.items() if k in used}  # (an unused key is an error)
+    if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
+        input_map = {k: graph.capture(v) if v.graph is not graph else v
+                     for k, v in input_map.items()}
+    imported = tf.import_graph_def(graph_def, input_map=input_map, return_elements=names,
+                                   name="")  # "": the names as written, absolute
+    size = len(template.names) + 1
+    out, ends = [], []
+    for k in range(len(copies)):
+        ops = imported[k * size:(k + 1) * size]
+        one = dict(zip(template.names, ops[:-1]))
+        for name, classes in template.colocation.items():
+            targets = [c[len("loc:@"):] for c in classes if c.startswith("loc:@")]
+            mapped = [f"loc:@{one[t].name}" if t in one else f"loc:@{t}" for t in targets]
+            one[name]._set_attr("_class", tf.compat.v1.AttrValue(  # noqa: SLF001
+                list=tf.compat.v1.AttrValue.ListValue(s=[m.encode() for m in mapped])))
+        out.append(one)
+        ends.append(ops[-1])
+    return out, ends
 
 
 def _fetched(copies, roots, outside):
@@ -392,12 +436,6 @@ def _fetched(copies, roots, outside):
         else:
             out.append(copies[op.name].outputs[root.value_index])
     return out
-
-
-def _end(fetched, name):
-    ops = [f if isinstance(f, tf.Operation) else f.op for f in fetched]
-    with tf.control_dependencies(ops):
-        return tf.no_op(name=name)
 
 
 def _prepared(inputs, count, label):
@@ -421,16 +459,15 @@ def _prepared(inputs, count, label):
 def _unrolled(template, roots, inputs, steps, label):
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = _prepared(inputs, steps, label)
-    per_step, end = [], None
-    for k in range(1, steps + 1):
-        with tf.compat.v1.name_scope(f"{label}/inputs/"):
-            slices = {original: batches[original][k - 1] for original in inputs}
-        copies = _import(template, slices, f"{label}/step_{k}")
-        if end is not None:
-            _order_after(copies, end)
-        fetched = _fetched(copies, roots, lambda root: slices.get(root, root))
-        per_step.append(fetched)
-        end = _end(fetched, f"step_{k}_end")
+    slices = []
+    with tf.compat.v1.name_scope(f"{label}/inputs/"):
+        for k in range(steps):
+            slices.append({original: batches[original][k] for original in inputs})
+    copies, ends = _import(template, [(f"{label}/step_{k + 1}", slices[k], "previous" if k else None)
+                                      for k in range(steps)], roots)
+    per_step = [_fetched(c, roots, lambda root, k=k: slices[k].get(root, root))
+                for k, c in enumerate(copies)]
+    end = ends[-1]
 
     def values():  # built after the train op: fetching one runs the steps
         out = []
@@ -460,10 +497,9 @@ def _while_loop(template, roots, inputs, steps, label):
         # v1 control flow: the body is built under the loop's scope; v2: in a function
         # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
-        copies = _import(template, slices, f"{scope}/body/step" if scope else "step")
-        _order_after(copies, i.op)
+        [copies], [end] = _import(
+            template, [(f"{scope}/body/step" if scope else "step", slices, i.op)], roots)
         fetched = _fetched(copies, roots, lambda root: slices.get(root, tf.identity(root)))
-        end = _end(fetched, "end")
         with tf.control_dependencies([end]):
             written = [array.write(i, fetched[j]) for j, array in zip(tensors, arrays)]
             return [i + 1, written]

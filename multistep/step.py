@@ -299,9 +299,15 @@ class Step:
             message = (f"{self.label}: {step} has a non-finite {what}; that step was not "
                        f"applied, the steps before it were (nonfinite='skip' skips such steps)")
             values = x.values if isinstance(x, tf.IndexedSlices) else x
+            # One scalar a tensor: x * 0 is 0 where x is finite, NaN where it is Inf or NaN,
+            # so its sum is finite exactly when every value is. CheckNumerics on the whole
+            # tensor cost 16 % of an autoencoder's step (issue 28); the sum is one pass.
             with tf.control_dependencies(previous):
-                checked = tf.debugging.check_numerics(values, message)
-            previous[:] = [checked]
+                flag = tf.debugging.check_numerics(
+                    tf.reduce_sum(values * tf.zeros([], values.dtype)), message)
+            previous[:] = [flag]
+            with tf.control_dependencies([flag]):
+                checked = tf.identity(values)
             if isinstance(x, tf.IndexedSlices):
                 return tf.IndexedSlices(checked, x.indices, x.dense_shape)
             return checked
