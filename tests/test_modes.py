@@ -5,6 +5,9 @@ is in test_unroll.py; here are what the modes add.
 """
 
 import functools
+import os
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -443,3 +446,30 @@ def test_many_unrolled_xla_steps_report_their_compile_time_and_point_at_loop_mod
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 unrolled.run(sess)  # once per session
+
+
+XLA_RUNS = """
+import numpy as np, tensorflow as tf, multistep as ms
+V1 = tf.compat.v1
+with tf.Graph().as_default():
+    w = V1.get_variable("w", initializer=np.ones([3, 2], np.float32))
+    x = np.random.RandomState(0).randn(8, 3).astype(np.float32)
+    u = ms.unroll(lambda: tf.reduce_mean(tf.square(tf.matmul(x, w))), V1.train.AdamOptimizer(0.1),
+                  4, mode="while_loop", xla=True)
+    with V1.Session() as sess:
+        sess.run(V1.global_variables_initializer())  # (not the local halt flag: as a user may)
+        for _ in range(3):
+            u.run(sess)
+"""
+
+
+def test_xla_loop_mode_compiles_once(tmp_path):
+    """Three runs, one XLA compile: XLA dumps each module it compiles (--xla_dump_to).
+    Before, the nonfinite halt flag was reset inside the program: uninitialised at the
+    first run, initialised at the second, and the program compiled twice."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+    result = subprocess.run([sys.executable, "-c", XLA_RUNS], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = sorted(p.name for p in tmp_path.glob("*.before_optimizations.txt"))
+    assert len(compiled) == 1, compiled
