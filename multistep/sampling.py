@@ -45,6 +45,17 @@ def log_uniform_candidates(true_classes, num_sampled, range_max, seed):
       >>> s.shape.as_list(), t.shape.as_list(), e.shape.as_list()
       ([4], [2, 1], [4])
     """
+    if isinstance(range_max, bool) or not isinstance(range_max, int) or range_max < 1:
+        raise ValueError(f"log_uniform_candidates: range_max must be an int >= 1 (the number "
+                         f"of classes), got {range_max!r}.")
+    if isinstance(num_sampled, bool) or not isinstance(num_sampled, int) or num_sampled < 1:
+        raise ValueError(f"log_uniform_candidates: num_sampled must be an int >= 1, got "
+                         f"{num_sampled!r}.")
+    true_classes = tf.convert_to_tensor(true_classes)
+    if true_classes.shape.rank != 2:
+        raise ValueError(
+            f"log_uniform_candidates: true_classes must be [batch, num_true] (as nce_loss's "
+            f"labels), got shape {true_classes.shape}; a vector of labels y is y[:, None].")
     log_range = math.log(range_max + 1)
     u = tf.random.stateless_uniform([num_sampled], seed=seed, dtype=tf.float64)
     sampled = tf.math.floormod(tf.cast(tf.exp(u * log_range) - 1.0, tf.int64), range_max)

@@ -152,9 +152,24 @@ class Step:
         except (TypeError, ValueError) as error:
             raise ValueError(f"the carry loss_fn returns at inner step {step} differs in "
                              f"structure from the carry it was given: {error}") from None
-        self.next_carry = tf.nest.map_structure(
-            lambda before, after: tf.ensure_shape(tf.convert_to_tensor(after, before.dtype),
-                                                  before.shape), carry, next_carry)
+        def checked(index, before, after):
+            where = f"the carry's item {index} (flattened)"
+            if after is None:
+                raise ValueError(f"loss_fn carried out None as {where} at inner step {step}: "
+                                 f"return the next value of every carried tensor.")
+            after = tf.convert_to_tensor(after)
+            if after.dtype != before.dtype:
+                raise TypeError(f"loss_fn carried out {where} as {after.dtype.name} at inner "
+                                f"step {step}; carry= gave it as {before.dtype.name}. Return "
+                                f"it in the carry's dtype (tf.cast(..., {before.dtype.name})).")
+            if not after.shape.is_compatible_with(before.shape):
+                raise ValueError(f"loss_fn carried out {where} with shape {after.shape} at "
+                                 f"inner step {step}; carry= gave it with shape {before.shape}.")
+            return tf.ensure_shape(after, before.shape)
+
+        self.next_carry = tf.nest.pack_sequence_as(carry, [
+            checked(i, before, after) for i, (before, after) in enumerate(
+                zip(tf.nest.flatten(carry), tf.nest.flatten(next_carry)))])
         return _call_loss_fn(lambda *_: loss, (), step)
 
     def _descend(self, k, loss, local, tape, forward, extra=None):
@@ -220,10 +235,12 @@ class Step:
         graph = tf.compat.v1.get_default_graph()
         grads_and_vars = None
         if callable(self.var_list):  # a phase's: the variables its first loss_fn call made
-            found = tuple(self.var_list())
-            if not found or not all(isinstance(v, tf.Variable) for v in found):
+            returned = self.var_list()
+            found = (tuple(returned) if isinstance(returned, (list, tuple)) else returned)
+            if (not isinstance(found, tuple) or not found
+                    or not all(isinstance(v, tf.Variable) for v in found)):
                 raise TypeError(f"a phase's var_list() must return a non-empty list of "
-                                f"variables, got {found!r}.")
+                                f"variables, got {returned!r}.")
             self.var_list = found
         if isinstance(k, int) and k == 1 and any(
                 op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW for op in forward):

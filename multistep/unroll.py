@@ -348,6 +348,10 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             "`with tf.Graph().as_default():` or after "
             "tf.compat.v1.disable_eager_execution().")
     steps = positive_int("steps", steps)
+    if not isinstance(xla, bool):
+        raise TypeError(f"xla must be True or False, got {xla!r}.")
+    if _FORCED_XLA:  # ms.verify(..., xla=True): before the checks that read xla
+        xla = _FORCED_XLA[-1]
     phased = phases_lib.parse(loss_fn, optimizer, var_list, phases)
     for one in ([(loss_fn, optimizer)] if phased is None
                 else [(p.loss_fn, p.optimizer) for p in phased[0]]):
@@ -362,10 +366,6 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 "record, nonfinite='skip', carry or a strategy (not yet supported there).")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if not isinstance(xla, bool):
-        raise TypeError(f"xla must be True or False, got {xla!r}.")
-    if _FORCED_XLA:
-        xla = _FORCED_XLA[-1]
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}.")
     if update_ops not in UPDATE_OPS or not isinstance(update_ops, (bool, str)):
@@ -409,6 +409,12 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 "tf.compat.v1.disable_v2_behavior() or disable_control_flow_v2() turned it "
                 "off): under v1 control flow use mode='unrolled' (or xla=True, whose loop is a "
                 "function's, v2).")
+        leaves = tf.nest.flatten(carry)
+        if any(leaf is None for leaf in leaves):
+            raise ValueError(
+                f"carry= holds None (item {[leaf is None for leaf in leaves].index(True)} "
+                f"flattened): it takes the first step's state, a tensor at every leaf (a "
+                f"placeholder fed what the previous run's Unrolled.carry gave).")
         step.initial_carry = tf.nest.map_structure(tf.convert_to_tensor, carry)
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())

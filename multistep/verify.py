@@ -137,7 +137,7 @@ class Report:
                      f"{self.plain_max_abs_diff:.3g}, information only: XLA fuses and orders "
                      f"the arithmetic its own way, so its programs round otherwise than "
                      f"TensorFlow's kernels")
-        elif self.explain or not self.ok or self.same_kernels is False:
+        if self.explain or not self.ok or self.same_kernels is False:
             line += "\n" + self._kernel_line()
         return line
 
@@ -206,6 +206,9 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
     runs = _positive_int("runs", runs)
     if not isinstance(atol, numbers.Real) or not atol >= 0:
         raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
+    for option, value in (("xla", xla), ("explain", explain)):
+        if not isinstance(value, bool):
+            raise TypeError(f"verify: {option} must be True or False, got {value!r}.")
     compiled = forced_xla(True) if xla else contextlib.nullcontext()
     with compiled:
         fused = _Program(build_fn, steps, config)

@@ -96,6 +96,19 @@ def test_a_carry_of_another_structure_is_refused():
                       carry=tf.constant(1.0), name="again")
 
 
+def test_a_carry_with_none_or_another_dtype_is_refused_naming_the_carry():
+    sgd = V1.train.GradientDescentOptimizer(0.1)
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        with pytest.raises(ValueError, match=r"carry= holds None \(item 1 flattened\)"):
+            ms.unroll(lambda c: (w * c[0], c), sgd, 2, carry=(tf.constant(1.0), None))
+        with pytest.raises(TypeError, match=r"carried out the carry's item 0 \(flattened\) as "
+                                            r"int32 at inner step 1; carry= gave it as float32"):
+            ms.unroll(lambda c: (w * c, tf.constant(1)), sgd, 2, carry=tf.constant(1.0), name="d")
+        with pytest.raises(ValueError, match="carried out None as the carry's item 0"):
+            ms.unroll(lambda c: (w * c, None), sgd, 2, carry=tf.constant(1.0), name="e")
+
+
 def test_an_update_op_writing_state_a_gradient_still_reads_is_refused():
     """The state kept in a ref variable, overwritten through UPDATE_OPS (which run before
     the gradients): the gradient's read of it through the ref would see the new value.

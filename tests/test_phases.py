@@ -59,6 +59,19 @@ def test_phases_of_disjoint_models_do_not_warn():
         ms.unroll(lambda: b * b, V1.train.GradientDescentOptimizer(0.1), 2, name="two")
 
 
+def test_verify_with_xla_on_phases_is_refused_not_a_false_divergence():
+    """verify(xla=True) forces xla=True on every ms.unroll: a phases build now refuses it
+    (before, the phases check read xla before the override: built without XLA and compared
+    with XLA single steps, a false DIVERGED)."""
+    def build(steps):
+        w = V1.get_variable("w", initializer=1.0)
+        sgd = V1.train.GradientDescentOptimizer(0.1)
+        return ms.unroll([ms.phase(lambda: w * w, sgd)], steps=steps), {}
+
+    with pytest.raises(ValueError, match="several phases build .* without XLA"):
+        ms.verify(build, steps=2, runs=1, xla=True)
+
+
 def test_bad_phases():
     sgd = V1.train.GradientDescentOptimizer(0.1)
     with tf.Graph().as_default():
@@ -76,3 +89,7 @@ def test_bad_phases():
             ms.unroll([one], steps=2, xla=True)
         with pytest.raises(TypeError, match="loss_fn must be callable"):
             ms.phase(w, sgd)
+        # Issue 28: a var_list callable returning None was "'NoneType' object is not iterable".
+        with pytest.raises(TypeError, match=r"var_list\(\) must return a non-empty list of "
+                                            r"variables, got None"):
+            ms.unroll([ms.phase(lambda: w * w, sgd, var_list=lambda: None)], steps=2, name="n")

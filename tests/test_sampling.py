@@ -123,3 +123,15 @@ def test_log_uniform_candidates_follow_the_log_uniform_distribution():
     assert np.allclose(t, tf_t, rtol=2.0 ** -23, atol=0)  # one float32 rounding apart (above)
     # The low classes are the frequent ones: class 0 about log(2)/log(51) of the draws.
     assert abs(np.mean(s == 0) - p(0)) < 4 * np.sqrt(p(0) * (1 - p(0)) / 1000)  # 4 sigma
+
+
+def test_bad_sampler_arguments_are_refused_by_name():
+    """Issue 28: range_max=0 was a raw FloorMod error at run time; 1-D labels were taken."""
+    with tf.Graph().as_default():
+        labels, seed = tf.constant([[1], [2]], tf.int64), tf.constant([1, 2])
+        with pytest.raises(ValueError, match="range_max must be an int >= 1"):
+            ms.sampling.log_uniform_candidates(labels, 4, 0, seed)
+        with pytest.raises(ValueError, match="num_sampled must be an int >= 1"):
+            ms.sampling.log_uniform_candidates(labels, 0, 10, seed)
+        with pytest.raises(ValueError, match=r"true_classes must be \[batch, num_true\].*y\[:, None\]"):
+            ms.sampling.log_uniform_candidates(tf.constant([1, 2], tf.int64), 4, 10, seed)

@@ -289,3 +289,20 @@ def test_an_input_that_runs_out_says_so():
     with pytest.raises(ValueError, match=r"the input ran out in run 2 of 2: each build makes "
                                          r"steps x runs = 8 steps"):
         ms.verify(lambda steps: fed_dataset_build(steps, "dict"), steps=4, runs=2)
+
+
+def test_verify_takes_booleans_for_xla_and_explain():
+    """Issue 28: xla="yes" was taken as true."""
+    with pytest.raises(TypeError, match="verify: xla must be True or False, got 'yes'"):
+        ms.verify(good_build, steps=2, xla="yes")
+    with pytest.raises(TypeError, match="verify: explain must be True or False, got 1"):
+        ms.verify(good_build, steps=2, explain=1)
+
+
+def test_explain_under_xla_says_what_it_compared():
+    """Issue 28: explain=True printed no kernel line under XLA (the XLA line took its place)."""
+    report = ms.verify(good_build, steps=2, runs=1, xla=True, explain=True)
+    assert report.ok, report.summary()
+    assert "against plain single steps (no XLA)" in report.summary()
+    assert "kernels: not compared (no inner step's kernels in the partition graphs: the steps " \
+           "ran inside one XLA program" in report.summary()
