@@ -52,9 +52,13 @@ class StepHistory(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.history, self.steps = {}, []
         self._buffers = self._count = None
-        self._read = 0  # steps read so far
+        self._spe = None  # the steps per execution the buffers hold
+        self._offset = 0  # steps counted in buffers made before the current ones
+        self._read = 0  # steps read from the current buffers
         self._writer = None
-        self._original = None
+        self._original = None  # the model's train_step while wrapped (during a fit)
+        self._own_function = None  # the model's train function before the fit
+        self._traced = None  # (model, compile config, steps per execution, wrapper, function)
 
     def set_model(self, model):
         super().set_model(model)
@@ -62,29 +66,45 @@ class StepHistory(keras.callbacks.Callback):
             callback.set_model(model)
         if self._original is not None:
             return
-        self._original = original = model.train_step
-        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        spe = getattr(model, "steps_per_execution", 1) or 1
+        if isinstance(spe, bool) or not isinstance(spe, int):
+            raise TypeError(
+                f"StepHistory needs compile(steps_per_execution=N) with an int N (the size of "
+                f"its per-step buffers), got {spe!r}.")
+        config = getattr(model, "_compile_config", None)
+        self._original, self._own_function = model.train_step, model.train_function
+        traced = self._traced
+        if traced is not None and traced[0] is model and traced[1] is config and traced[2] == spe:
+            # The same model, compiled the same way: the train function traced in an
+            # earlier fit, with this callback's train_step (no retrace, no recompile).
+            model.train_step, model.train_function = traced[3], traced[4]
+            return
+        if self._spe is not None and spe != self._spe:  # new buffers, sized for the new N
+            self._offset += self._read
+            self._read, self._buffers, self._count = 0, None, None
+        self._spe = spe
+        model.train_step = self._wrapped(self._original)
+        model.train_function = None  # made again, with this train_step
 
+    def _wrapped(self, original):
         def train_step(data):
             logs = original(data)
             scalars = {k: v for k, v in logs.items() if tf.convert_to_tensor(v).shape.rank == 0}
             if self._buffers is None:  # at the first trace: eager variables, not the trace's
                 with tf.init_scope():
-                    self._buffers = {k: tf.Variable(tf.zeros([spe], tf.float32), trainable=False,
-                                                    name=f"step_history_{k}")
+                    self._buffers = {k: tf.Variable(tf.zeros([self._spe], tf.float32),
+                                                    trainable=False, name=f"step_history_{k}")
                                      for k in scalars}
                     self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                               name="step_history_count")
-            at = tf.math.floormod(self._count, spe)
+            at = tf.math.floormod(self._count, self._spe)
             writes = [self._buffers[k].scatter_nd_update(
                 [[at]], [tf.cast(v, tf.float32)]) for k, v in scalars.items() if k in self._buffers]
             with tf.control_dependencies(writes):
                 counted = self._count.assign_add(1)
             with tf.control_dependencies([counted]):
                 return {k: tf.identity(v) for k, v in logs.items()}
-
-        model.train_step = train_step
-        model.train_function = None  # made again, with this train_step
+        return train_step
 
     def on_train_begin(self, logs=None):
         if self.log_dir is not None and self._writer is None:
@@ -96,12 +116,10 @@ class StepHistory(keras.callbacks.Callback):
         if self._buffers is None:
             return
         count = int(self._count.numpy())
-        spe = next(iter(self._buffers.values())).shape[0]
         values = {k: v.numpy() for k, v in self._buffers.items()}
-        new = count - self._read
-        for j in range(new):
-            step = self._read + j  # 0-based over the whole fit
-            slot = step % spe
+        for j in range(count - self._read):
+            step = self._offset + self._read + j  # 0-based over every fit
+            slot = (self._read + j) % self._spe
             step_logs = {k: float(values[k][slot]) for k in values}
             for k, v in step_logs.items():
                 self.history.setdefault(k, []).append(v)
@@ -119,8 +137,11 @@ class StepHistory(keras.callbacks.Callback):
             self._writer.flush()
         for callback in self.callbacks:
             callback.on_train_end(logs)
-        # The model's own train_step again (the next fit wraps it anew).
+        # The model's own train_step and train function again; the traced one is kept for
+        # the next fit of the same model and configuration.
         if self._original is not None and "train_step" in vars(self.model):
+            self._traced = (self.model, getattr(self.model, "_compile_config", None), self._spe,
+                            self.model.train_step, self.model.train_function)
             del self.model.train_step
-            self.model.train_function = None
-        self._original = None
+            self.model.train_function = self._own_function
+        self._original = self._own_function = None

@@ -3,6 +3,7 @@ steps_per_execution=1, and the weights of fit with steps_per_execution=N without
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import multistep as ms
@@ -62,3 +63,65 @@ def test_every_inner_step_as_keras_reports_it_one_step_per_execution(tmp_path):
     points = sorted((e.step, float(tf.make_ndarray(v.tensor))) for e in events
                     for v in e.summary.value if v.tag == "loss")
     assert points == [(s, l) for s, l in zip(range(1, 17), steps.history["loss"])]
+
+
+class Losses(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+class Counting(keras.Sequential):
+    """Counts the traces of its train_step (each trace calls it once from Python)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        Counting.traces += 1
+        return super().train_step(data)
+
+
+def test_three_fits_trace_once_and_a_new_steps_per_execution_is_followed():
+    """Issue 29: StepHistory cleared the train function at every fit (3 fits, 6 traces),
+    and its buffers kept the first fit's N after compile(steps_per_execution=3)."""
+    keras.utils.set_random_seed(1)
+    model = Counting([keras.Input((4,)), keras.layers.Dense(3)])
+
+    def compile_with(n):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=n,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    compile_with(4)
+    steps = ms.keras.StepHistory()
+    per_fit = []
+    for _ in range(3):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[steps])
+        per_fit.append(Counting.traces)
+    assert per_fit[1] == per_fit[2] == per_fit[0] > 0  # traced in the first fit only
+    assert "train_step" not in vars(model)  # the model's own between fits
+    compile_with(3)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[steps])
+    assert Counting.traces > per_fit[-1]  # a new configuration: traced again, once
+    assert steps.steps == list(range(1, 33))
+
+    # The reference: the same four fits one step per execution, Keras's own logs.
+    keras.utils.set_random_seed(1)
+    reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=1,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = Losses()
+    for _ in range(4):
+        reference.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[seen])
+    assert len(seen.losses) == 32
+    assert steps.history["loss"] == seen.losses
+
+
+def test_steps_per_execution_auto_is_refused_by_name():
+    model = compiled(1)
+    model.steps_per_execution = "auto"
+    with pytest.raises(TypeError, match="StepHistory needs compile\\(steps_per_execution=N\\) "
+                                        "with an int N"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ms.keras.StepHistory()])
