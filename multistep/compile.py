@@ -52,9 +52,6 @@ _PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
 _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
                              "Stack", "TemporaryVariable", "IteratorFromStringHandle",
                              "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
-_V1_LOOP = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-                      "RefNextIteration", "Merge", "RefMerge", "LoopCond", "Switch",
-                      "RefSwitch"})
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
 
 
@@ -215,7 +212,7 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         raise ValueError("ms.compile: fetches is empty; give the train op (and the loss).")
     roots = []
     for i, item in enumerate(flat):
-        item = _graph_element(item, i)
+        item = _graph_element(graph, item, i)
         if item.graph is not graph:
             raise ValueError(f"ms.compile: fetch {item.name!r} is not in the default graph.")
         roots.append(item)
@@ -260,8 +257,8 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
     outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
     structured = tf.nest.pack_sequence_as(fetches, outputs)
     return Compiled(
-        train_op=train_op, values=structured, losses=_losses(fetches, structured),
-        summaries=_summaries(fetches, structured),
+        train_op=train_op, values=structured, losses=_losses(roots, structured),
+        summaries=_summaries(roots, structured),
         inputs=dict(inputs), steps=steps, name=label, mode=mode,
         global_step=_global_step(graph, copied),
         steps_per_run=run_length.variable if run_length is not None else None,
@@ -269,9 +266,14 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         _by_name={original.name: (original, per_step) for original, per_step in inputs.items()})
 
 
-def _graph_element(item, index):
+def _graph_element(graph, item, index):
     if isinstance(item, (tf.Operation, tf.Tensor)):
         return item
+    if isinstance(item, str):  # a name, as sess.run takes it
+        try:
+            return graph.as_graph_element(item)
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"ms.compile: fetch {index}, {item!r}: {error}") from None
     if isinstance(item, tf.Variable):
         return item.value() if hasattr(item, "handle") else item._ref()  # noqa: SLF001
     raise TypeError(f"ms.compile: fetch {index} is {type(item).__name__} {item!r}, not an op "
@@ -517,20 +519,22 @@ def _while_loop(template, roots, inputs, steps, label):
     return values, i.op, run_length
 
 
-def _losses(fetches, values):
+def _losses(roots, values):
+    """The values of the fetch that is the loss: the one keyed "loss" in a dict, else the
+    only float scalar tensor fetched; or None."""
     if isinstance(values, dict) and "loss" in values:
         return values["loss"]
-    scalars = [v for v, f in zip(tf.nest.flatten(values), tf.nest.flatten(fetches))
+    scalars = [v for v, f in zip(tf.nest.flatten(values), roots)
                if isinstance(f, tf.Tensor) and f.dtype.is_floating and f.shape.rank == 0]
     return scalars[0] if len(scalars) == 1 else None
 
 
-def _summaries(fetches, values):
+def _summaries(roots, values):
     """The values of the fetch that is the step's merged summary: the one keyed "summary"
     in a dict, else the only string scalar that a summary op makes; or None."""
     if isinstance(values, dict) and "summary" in values:
         return values["summary"]
-    found = [v for v, f in zip(tf.nest.flatten(values), tf.nest.flatten(fetches))
+    found = [v for v, f in zip(tf.nest.flatten(values), roots)
              if isinstance(f, tf.Tensor) and f.dtype == tf.string and f.op.type.endswith("Summary")]
     return found[0] if len(found) == 1 else None
 

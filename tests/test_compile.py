@@ -135,8 +135,12 @@ def test_bad_feeds_and_fetches_are_refused_by_name():
     x, y, loss, train = _seed_004(graph)
     with graph.as_default():
         fused = ms.compile([loss, train], steps=3, mode="unrolled")
-        with pytest.raises(TypeError, match="fetch 0 is str"):
-            ms.compile(["loss", train], steps=3)
+        with pytest.raises(TypeError, match="fetch 0 is int"):
+            ms.compile([3, train], steps=3)
+        with pytest.raises(ValueError, match="fetch 0, 'nothing:0'"):
+            ms.compile(["nothing:0", train], steps=3)
+        by_name = ms.compile([loss.name, train.name], steps=2, name="by_name")
+        assert by_name.losses is not None and by_name.values[1] is by_name.train_op
         with pytest.raises(ValueError, match="steps must be an int >= 1"):
             ms.compile([loss, train], steps=0)
         with pytest.raises(ValueError, match="mode must be one of"):
