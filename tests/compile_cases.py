@@ -17,7 +17,6 @@ values (each builder makes its variables from numpy constants).
 """
 
 import json
-import re
 import sys
 
 import numpy as np
@@ -211,47 +210,16 @@ def _per_step(value, n):
     return [tf.nest.map_structure(lambda v: None if v is None else v[k], value) for k in range(n)]
 
 
-_PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Switch", "RefSwitch", "Enter", "RefEnter"})
+# Every write op of a copy counts (ms.unroll's check looks only in its apply scope).
 _WRITES = ("ResourceApply", "Apply", "Assign", "ResourceScatter", "ScatterAdd", "ScatterSub",
            "ResourceSparseApply", "SparseApply")
 
 
 def unordered_reads(nodes, name):
-    """The variable reads of each unrolled copy k >= 2 that, in the executed (lowered,
-    inlined) partition graphs, do not descend from a write of copy k-1: reads that may run
-    before it, whatever this run's timing."""
-    by_name = {n.name: n for n in nodes}
-    children = {}
-    for n in nodes:
-        for i in n.input:
-            children.setdefault(i.lstrip("^").split(":")[0], []).append(n.name)
-
-    def source(n):
-        while n.op in _PASS_THROUGH and n.input:
-            n = by_name.get(n.input[0].split(":")[0], n)
-            if n.op not in _PASS_THROUGH:
-                break
-        return n
-
-    step_of = {n.name: int(m.group(1)) for n in nodes
-               for m in [re.search(rf"^{name}/step_(\d+)/", n.name)] if m}
-    found = []
-    for k in sorted(set(step_of.values()) - {1}):
-        after = set()
-        stack = [n.name for n in nodes if step_of.get(n.name) == k - 1 and n.op.startswith(_WRITES)]
-        while stack:
-            current = stack.pop()
-            if current not in after:
-                after.add(current)
-                stack.extend(children.get(current, ()))
-        for n in nodes:
-            if (step_of.get(n.name) != k or n.op in _PASS_THROUGH or n.op.startswith(_WRITES)
-                    or n.name in after):
-                continue
-            if any(source(by_name[i.split(":")[0]]).op in ("VarHandleOp", "VariableV2")
-                   for i in n.input if not i.startswith("^") and i.split(":")[0] in by_name):
-                found.append(n.name)
-    return found
+    """The reads of each copy k >= 2 that do not descend from a write of copy k-1 in the
+    executed graph (``preamble_cases.unordered_reads``, over every write of a copy)."""
+    from preamble_cases import unordered_reads as reads
+    return reads(nodes, name, writes=_WRITES, apply_scope=False)
 
 
 def _delta(a, b):

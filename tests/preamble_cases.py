@@ -186,12 +186,17 @@ def fused(model, kind, mode, optimizer, steps, lengths, **options):
 _PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Switch", "RefSwitch", "Enter", "RefEnter"})
 
 
-def unordered_reads(nodes, name="multistep"):
+_APPLY_WRITES = ("ResourceApply", "Apply", "Assign")
+
+
+def unordered_reads(nodes, name="multistep", *, writes=_APPLY_WRITES, apply_scope=True):
     """The variable reads of each unrolled inner step k >= 2 that, in the executed
     (lowered, inlined) partition graphs, do not descend from a write of step k-1's apply:
     reads that may run before it, whatever this run's timing. A read: a node of step k
     that takes a variable (a handle or a ref, through identities and v1 control flow's
-    switches) as a data input and is not itself a write or a pass-through."""
+    switches) as a data input and is not itself a write or a pass-through. A write: a node
+    of step k-1 whose op starts with one of ``writes`` (and, with ``apply_scope``, under
+    ms.unroll's ``apply`` scope; ms.compile's copies keep the program's own names)."""
     by_name = {n.name: n for n in nodes}
     children = {}
     for n in nodes:
@@ -212,9 +217,9 @@ def unordered_reads(nodes, name="multistep"):
             step_of[n.name] = int(found.group(1))
     found = []
     for k in sorted(set(step_of.values()) - {1}):
-        writes = [n.name for n in nodes if step_of.get(n.name) == k - 1 and "/apply/" in n.name
-                  and n.op.startswith(("ResourceApply", "Apply", "Assign"))]
-        after, stack = set(), list(writes)
+        wrote = [n.name for n in nodes if step_of.get(n.name) == k - 1 and n.op.startswith(writes)
+                 and (not apply_scope or "/apply/" in n.name)]
+        after, stack = set(), list(wrote)
         while stack:
             current = stack.pop()
             if current not in after:
@@ -222,7 +227,7 @@ def unordered_reads(nodes, name="multistep"):
                 stack.extend(children.get(current, ()))
         for n in nodes:
             if step_of.get(n.name) != k or n.op in _PASS_THROUGH or n.op.startswith(
-                    ("ResourceApply", "Apply", "Assign")) or n.name in after:
+                    writes) or n.name in after:
                 continue
             if any(source(by_name[i.split(":")[0]]).op in ("VarHandleOp", "VariableV2")
                    for i in n.input if not i.startswith("^") and i.split(":")[0] in by_name):
