@@ -63,6 +63,8 @@ def placement(op):
         return "shared"
     if op.type in _PLACEHOLDERS:
         return "input"
+    if op.type == "PlaceholderWithDefault" and tf.get_static_value(op.inputs[0]) is not None:
+        return "input"  # (a default computed in the step: copied, and refused if fed)
     if op.type in _STEP_RESOURCES:
         return "copied"
     if any(map(_is_state, op.outputs)) and not any(map(_is_state, op.inputs)):
@@ -116,6 +118,7 @@ class Compiled:
     why: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
+    _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
@@ -130,6 +133,12 @@ class Compiled:
                 name += ":0"
             fed = self._by_name.get(name)
             if fed is None:
+                if name is not None and name.split(":")[0] in self._copied:
+                    raise ValueError(
+                        f"{self.name}: {name!r} is computed inside the step, which the "
+                        f"compiled program copies: a value fed to the original would reach "
+                        f"no step. Feed the step's placeholders (Compiled.inputs), or make it "
+                        f"a placeholder (or a placeholder_with_default of a constant).")
                 out[key] = value  # a placeholder the steps share, fed as it is
                 continue
             original, per_step = fed
@@ -243,9 +252,7 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
     with tf.name_scope(name) as scope:
         label = scope.rstrip("/")
         with tf.name_scope("inputs"):
-            inputs = {p.outputs[0]: tf.compat.v1.placeholder(
-                p.outputs[0].dtype, tf.TensorShape([None]).concatenate(p.outputs[0].shape),
-                name=p.name.replace("/", "_")) for p in fed}
+            inputs = {p.outputs[0]: _per_step_input(p) for p in fed}
         if mode == "unrolled":
             values, end, run_length = _unrolled(template, roots, inputs, steps, label)
         else:
@@ -263,7 +270,8 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         global_step=_global_step(graph, copied),
         steps_per_run=run_length.variable if run_length is not None else None,
         _run_length=run_length,
-        _by_name={original.name: (original, per_step) for original, per_step in inputs.items()})
+        _by_name={original.name: (original, per_step) for original, per_step in inputs.items()},
+        _copied=frozenset(template.names))
 
 
 def _graph_element(graph, item, index):
@@ -280,13 +288,26 @@ def _graph_element(graph, item, index):
                     f"or a tensor.")
 
 
+def _per_step_input(placeholder):
+    """The ``[steps, ...]`` placeholder that feeds ``placeholder`` one slice a step; a
+    ``placeholder_with_default`` keeps its default, one value for every step."""
+    original = placeholder.outputs[0]
+    shape = tf.TensorShape([None]).concatenate(original.shape)
+    name = placeholder.name.replace("/", "_")
+    if placeholder.type == "PlaceholderWithDefault":
+        default = np.asarray(tf.get_static_value(placeholder.inputs[0]))[None]
+        return tf.compat.v1.placeholder_with_default(default, shape, name=name)
+    return tf.compat.v1.placeholder(original.dtype, shape, name=name)
+
+
 def _per_step_placeholders(placeholders, feeds):
     if feeds is None:
         return placeholders
     wanted = []
     for item in tf.nest.flatten(feeds):
         op = getattr(item, "op", item)
-        if not isinstance(op, tf.Operation) or op.type not in _PLACEHOLDERS:
+        if not isinstance(op, tf.Operation) or op.type not in (*_PLACEHOLDERS,
+                                                               "PlaceholderWithDefault"):
             raise TypeError(f"ms.compile: feeds must be placeholders, got {item!r}.")
         if op not in placeholders:
             raise ValueError(f"ms.compile: feeds names {op.name!r}, which the step does not read.")

@@ -300,3 +300,47 @@ def test_unrolled_copies_of_a_collective_are_refused():
         train = w.assign_sub(0.1 * total)
         with pytest.raises(ValueError, match="CollectiveReduceV2.*mode='while_loop'"):
             ms.compile([train], steps=2, mode="unrolled")
+
+
+def _scaled_program(graph):
+    with graph.as_default():
+        x = V1.placeholder(tf.float32, [None, 3], name="x")
+        scale = V1.placeholder_with_default(1.0, [], name="scale")
+        w = V1.get_variable("w", initializer=np.full([3, 1], 0.5, np.float32))
+        hidden = tf.matmul(x, w, name="hidden")
+        loss = tf.reduce_mean(tf.square(hidden)) * scale
+        train = V1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return x, scale, hidden, loss, train
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_a_placeholder_with_default_is_a_per_step_input_that_keeps_its_default(mode):
+    """Fed one value per step, one value for all, or not at all (its default), bitwise with
+    single steps fed alike; a tensor computed inside the step is refused as a feed key
+    (fed to the original it would reach no copy)."""
+    scales = np.array([0.5, 0.25, 2.0], np.float32)
+    feeds = [lambda k: {"scale": scales[k]}, lambda k: {"scale": np.float32(0.5)}, lambda k: {}]
+    for feed in feeds:
+        graph = tf.Graph()
+        x, scale, hidden, loss, train = _scaled_program(graph)
+        with V1.Session(graph=graph) as sess:
+            sess.run(V1.variables_initializer(graph.get_collection("variables")))
+            for k in range(3):
+                given = {scale: v for v in feed(k).values()}
+                sess.run(train, {x: X, **given})
+            want = _state(sess)
+        graph = tf.Graph()
+        x, scale, hidden, loss, train = _scaled_program(graph)
+        with graph.as_default():
+            fused = ms.compile([loss, train], steps=3, mode=mode)
+            init = [V1.global_variables_initializer(), V1.local_variables_initializer()]
+        given = {}
+        if feed(0):
+            same = all(float(feed(k)["scale"]) == float(feed(0)["scale"]) for k in range(3))
+            given = {scale: feed(0)["scale"] if same else scales}
+        with V1.Session(graph=graph) as sess:
+            sess.run(init)
+            fused.run(sess, {x: X, **given})
+            _bitwise(_state(sess), want)
+        with pytest.raises(ValueError, match="'hidden:0' is computed inside the step"):
+            fused.feed_dict({hidden: np.zeros([16, 1], np.float32)})
