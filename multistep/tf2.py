@@ -2,9 +2,9 @@
 
 A TF2 training step is a Python function (forward, ``GradientTape``, ``apply_gradients``)
 that a ``tf.function`` runs once per call from Python; for a small model the call costs
-more than the maths. ``fuse`` runs N of them in one call: step 1, then a ``tf.while_loop``
-whose body is the same step, traced once, each step reading the variables the previous
-one wrote (the loop carries the order). It returns every step's loss and scalars.
+more than the maths. ``fuse`` runs N of them in one call: a ``tf.while_loop`` whose body is
+the step, traced once for all N steps, each step reading the variables the previous one
+wrote (the loop carries the order). It returns every step's loss and scalars.
 
 The trap is TF1's: a value computed before the loop and used inside it is a loop
 invariant, evaluated once per call, so every step reuses it (a gradient computed before
@@ -173,28 +173,36 @@ class Fused:
                     f"(step k takes slice k), got shape {shape}.")
 
     def _program(self, batches, count):
+        """All N steps in one loop body: ``step_fn`` traced once, so each op of the step
+        (a stateful random op, ``tf.nn.dropout``) is one kernel, run N times as N single
+        calls of one ``tf.function`` run theirs, and Python state read in the step is
+        frozen once, as one trace of the single step freezes it. The outputs' keys and
+        dtypes are known only once the body is traced: each step writes its scalars as one
+        float64 vector (exact for float32 and for integers below 2^53) into a TensorArray
+        whose element shape the body sets, and they are split and cast back after it."""
         self._traces += 1
         count = tf.convert_to_tensor(count, tf.int32)
-        first = self._step(batches, 0)
-        keys = sorted(first)
-        if self.steps == 1:
-            return {key: value[None] for key, value in first.items()}
-        arrays = {key: tf.TensorArray(first[key].dtype, size=self.steps - 1) for key in keys}
+        kinds = {}  # key -> dtype, in the order written
 
-        def body(k, count, arrays):
-            self._bodies.append(tf.compat.v1.get_default_graph())
-            out = self._step(batches, k)
-            if sorted(out) != keys:
-                raise ValueError(f"step_fn returned {sorted(out)} in the loop, {keys} at step 1.")
-            return k + 1, count, {key: arrays[key].write(k - 1, out[key]) for key in keys}
+        def body(k, count, written):
+            graph = tf.compat.v1.get_default_graph()
+            self._bodies.append(graph)
+            with graph.name_scope(None):  # the names a single call gives (slots, layers)
+                out = self._step(batches, k)
+            kinds.clear()
+            kinds.update((key, out[key].dtype) for key in sorted(out))
+            row = tf.stack([tf.cast(out[key], tf.float64) for key in kinds])
+            return k + 1, count, written.write(k, row)
 
         # One iteration at a time: step k+1 reads what step k wrote. (count is a loop
         # variable, not a capture: under a strategy a captured argument went unfed.)
-        k, _, arrays = tf.while_loop(lambda k, count, _: k < count, body,
-                                     (tf.constant(1), count, arrays),
-                                     maximum_iterations=self.steps - 1, parallel_iterations=1,
-                                     name="fused_steps")
-        return {key: tf.concat([first[key][None], arrays[key].stack()], 0) for key in keys}
+        rows = tf.TensorArray(tf.float64, size=self.steps, infer_shape=False)
+        _, _, rows = tf.while_loop(lambda k, count, _: k < count, body,
+                                   (tf.constant(0), count, rows),
+                                   maximum_iterations=self.steps, parallel_iterations=1,
+                                   name="fused_steps")
+        table = rows.stack()
+        return {key: tf.cast(table[:, j], dtype) for j, (key, dtype) in enumerate(kinds.items())}
 
     def _step(self, batches, k):
         batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
