@@ -12,6 +12,7 @@ Building a step means creating its ops in TensorFlow's Python graph builder; the
 hand chain is the least a graph of N real steps costs to build that way.
 
     taskset -c 0 python benchmarks/build_floor.py [--steps 10 100 1000] [--problems blobs mlp]
+        [--builders ms.unroll "compile unrolled" "compile loop"]
 """
 
 import argparse
@@ -77,10 +78,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problems", nargs="+", choices=bench.PROBLEMS, default=list(bench.PROBLEMS))
     parser.add_argument("--steps", nargs="+", type=int, default=[10, 100, 1000])
+    parser.add_argument("--builders", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
     args = parser.parse_args()
-    print(f"{'problem':8} {'N':>5} " + " ".join(f"{b:>14}" for b in BUILDERS) + "   ms.unroll / hand chain")
+    print(f"{'problem':8} {'N':>5} " + " ".join(f"{b:>16}" for b in args.builders))
     for problem in args.problems:
         for steps in args.steps:
-            times = {b: build_s(problem, b, steps, repeats=1 if steps >= 1000 else 3) for b in BUILDERS}
-            print(f"{problem:8} {steps:>5} " + " ".join(f"{times[b]:>13.2f}s" for b in BUILDERS)
-                  + f"   {times['ms.unroll'] / times['hand chain']:.2f}x", flush=True)
+            times = {b: build_s(problem, b, steps, repeats=1 if steps >= 1000 else 3)
+                     for b in args.builders}
+            print(f"{problem:8} {steps:>5} " + " ".join(f"{times[b]:>15.2f}s" for b in args.builders),
+                  flush=True)
