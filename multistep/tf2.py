@@ -16,6 +16,7 @@ the TF1 verifier's comparison.
 """
 
 import dataclasses
+import inspect
 import numbers
 import warnings
 
@@ -94,6 +95,10 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
                 "XLA program is compiled for one device, and a Keras variable of the second "
                 "replica then fails (InvalidArgumentError: Trying to access resource ... located "
                 "in device ... replica_1). Fuse under the strategy without XLA.")
+    if optimizer is not None and not hasattr(getattr(optimizer, "iterations", None), "assign_add"):
+        raise TypeError(f"optimizer must be the optimizer step_fn applies (one with an "
+                        f"iterations variable), got {type(optimizer).__name__}: pass "
+                        f"model.optimizer, not the model.")
     return Fused(step_fn, int(steps), jit_compile, check, optimizer or _find_optimizer(step_fn),
                  strategy, reduce)
 
@@ -106,6 +111,7 @@ class Fused:
         self.step_fn, self.steps, self.jit_compile, self._check = step_fn, steps, jit_compile, check
         self.optimizer, self.strategy, self.reduce = optimizer, strategy, reduce
         self._bodies = []  # the loop body's FuncGraph, from the trace
+        self._positional = _positional_parameters(step_fn)
         self._traces = 0
         self._signature = None  # the batches' TensorSpecs of the first call
         self._function = tf.function(self._program, jit_compile=jit_compile, autograph=False)
@@ -113,6 +119,13 @@ class Fused:
     def __call__(self, batches):
         if _is_iterator(batches):
             return self._call_iterator(batches)
+        if batches is None or isinstance(batches, tf.data.Dataset) or inspect.isgenerator(batches):
+            what = "None" if batches is None else type(batches).__name__
+            raise TypeError(
+                f"ms.tf2.fuse: batches must be tensors with a leading dimension of "
+                f"steps={self.steps} (step k takes slice k) or a tf.data iterator, got {what}. "
+                f"For a dataset, pass iter(dataset) (each call takes its next {self.steps} "
+                f"elements), or dataset.batch({self.steps}) elements.")
         self._check_leading(batches)
         return self._run(batches)
 
@@ -191,7 +204,8 @@ class Fused:
                 out = self._step(batches, k)
             kinds.clear()
             kinds.update((key, out[key].dtype) for key in sorted(out))
-            row = tf.stack([tf.cast(out[key], tf.float64) for key in kinds])
+            row = (tf.stack([tf.cast(out[key], tf.float64) for key in kinds]) if kinds
+                   else tf.zeros([0], tf.float64))  # (a step with no outputs)
             return k + 1, count, written.write(k, row)
 
         # One iteration at a time: step k+1 reads what step k wrote. (count is a loop
@@ -206,14 +220,23 @@ class Fused:
 
     def _step(self, batches, k):
         batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
-        if self.strategy is None:
-            returned = self.step_fn(batch)
-        else:
-            returned = self._replicated(batch)
+        try:
+            if self.strategy is None:
+                returned = self.step_fn(*self._arguments(batch))
+            else:
+                returned = self._replicated(batch)
+        except tf.errors.OperatorNotAllowedInGraphError as error:
+            raise TypeError(
+                f"ms.tf2.fuse traces step_fn without AutoGraph (autograph=False), so a Python "
+                f"`if`, `for` or `while` on a tensor in it cannot run: {error}. Write it with "
+                f"tf.cond / tf.where / tf.while_loop, or decorate step_fn with tf.function "
+                f"(autograph converts it) and pass that.") from error
+        if returned is None:  # a step that returns nothing (the DCGAN tutorial's)
+            returned = {}
         out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
-        if "loss" not in out:
-            raise ValueError(f"step_fn must return a loss or a dict with a 'loss'; got keys "
-                             f"{sorted(out)}.")
+        if "loss" not in out and out:
+            raise ValueError(f"step_fn must return a loss, a dict with a 'loss', or nothing; "
+                             f"got keys {sorted(out)}.")
         out = {key: tf.convert_to_tensor(value) for key, value in out.items()}
         for key, value in out.items():
             if value.shape.rank != 0:
@@ -221,6 +244,13 @@ class Fused:
         if self.optimizer is not None and "iteration" not in out:
             out["iteration"] = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
         return out
+
+    def _arguments(self, batch):
+        """step_fn's arguments: the batch, or its items where step_fn takes as many
+        (``train_step(x, y)`` with batches ``(xs, ys)``)."""
+        if isinstance(batch, (tuple, list)) and self._positional == len(batch) > 1:
+            return tuple(batch)
+        return (batch,)
 
     def _trace_without_creating_variables(self, batches, count):
         """Under a strategy, trace first and refuse a step that creates variables: made in
@@ -386,6 +416,19 @@ def _find_optimizer(step_fn):
     optimizers = {id(o): o for o in found
                   if hasattr(getattr(o, "iterations", None), "assign_add")}
     return next(iter(optimizers.values())) if len(optimizers) == 1 else None
+
+
+def _positional_parameters(step_fn):
+    """How many positional parameters ``step_fn`` takes (None: any number, or unknown)."""
+    try:
+        parameters = inspect.signature(step_fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = [p.kind for p in parameters]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for k in kinds)
 
 
 def _has_cell_contents(cell):

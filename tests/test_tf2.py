@@ -363,3 +363,84 @@ def test_jit_under_a_strategy_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="jit_compile=True under a tf.distribute strategy"):
         ms.tf2.fuse(lambda batch: batch, 2, jit_compile=True,
                     strategy=tf.distribute.get_strategy())
+
+
+def gan_step():
+    """The DCGAN tutorial's shape: noise drawn in the step (with an op seed), two
+    optimizers, a step that returns nothing."""
+    keras.utils.set_random_seed(2)
+    tf.random.set_seed(5)
+    generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    discriminator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    g_opt, d_opt = keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2)
+    xent = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def step(images):
+        noise = tf.random.normal([8, 3], seed=9)
+        with tf.GradientTape() as g_tape, tf.GradientTape() as d_tape:
+            fake = generator(noise, training=True)
+            real_out, fake_out = discriminator(images), discriminator(fake)
+            g_loss = xent(tf.ones_like(fake_out), fake_out)
+            d_loss = xent(tf.ones_like(real_out), real_out) + xent(tf.zeros_like(fake_out), fake_out)
+        g_opt.apply_gradients(zip(g_tape.gradient(g_loss, generator.trainable_variables),
+                                  generator.trainable_variables))
+        d_opt.apply_gradients(zip(d_tape.gradient(d_loss, discriminator.trainable_variables),
+                                  discriminator.trainable_variables))
+
+    return generator.variables + discriminator.variables, step
+
+
+def test_a_step_that_returns_nothing_is_fused_bitwise():
+    """Issue 29: 'None values not supported' from TensorFlow's internals before."""
+    images = X[:, :, :4]
+    reference, step = gan_step()
+    single = tf.function(step, autograph=False)
+    for i in range(STEPS):
+        single(images[i])
+    variables, step = gan_step()
+    assert ms.tf2.fuse(step, STEPS)(images[:STEPS]) == {}
+    for a, b in zip(variables, reference):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), a.path
+
+
+def test_a_step_taking_x_and_y_gets_the_batch_items_and_its_iteration():
+    """Issue 29: train_step(x, y) needed a lambda, which lost the 'iteration' output."""
+    model, opt, _ = keras_step("dense", "sgd_momentum")
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train_step(x, y):  # its optimizer found by name, as a one-argument step's is
+        with tf.GradientTape() as tape:
+            loss = xent(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    out = ms.tf2.fuse(train_step, STEPS)((X[:STEPS], Y[:STEPS]))
+    assert out["iteration"].numpy().tolist() == [1, 2, 3, 4]
+    reference, _, single = keras_step("dense", "sgd_momentum")
+    single = tf.function(single, autograph=False)
+    want = [single((X[i], Y[i]))["loss"].numpy() for i in range(STEPS)]
+    assert out["loss"].numpy().tobytes() == np.array(want, np.float32).tobytes()
+    for a, b in zip(model.variables, reference.variables):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), a.path
+
+
+def test_inputs_fuse_cannot_take_are_refused_by_name():
+    model, opt, step = keras_step("dense", "sgd_momentum")
+    fused = ms.tf2.fuse(step, STEPS)
+    data = tf.data.Dataset.from_tensor_slices((X, Y))
+    for batches, what in [(None, "None"), (data, "_TensorSliceDataset"),
+                          ((b for b in [1]), "generator")]:
+        with pytest.raises(TypeError, match=f"got {what}.*pass iter\\(dataset\\)"):
+            fused(batches)
+    with pytest.raises(TypeError, match="optimizer must be the optimizer step_fn applies.*got "
+                                        "Sequential: pass model.optimizer"):
+        ms.tf2.fuse(step, STEPS, optimizer=model)
+
+    def branching(batch):
+        if tf.reduce_sum(batch) > 0:  # a Python if on a tensor: needs AutoGraph
+            return step((batch, Y[0]))
+        return step((-batch, Y[0]))
+
+    with pytest.raises(TypeError, match="without AutoGraph.*tf.cond"):
+        ms.tf2.fuse(branching, STEPS)(X[:STEPS])
