@@ -45,7 +45,9 @@ def choose(step, feed, label, *, in_replica_context):
         graph = tf.function(step_1, jit_compile=True, autograph=False).get_concrete_function().graph
         why = _uncompilable(graph)
     except (TypeError, ValueError):  # what TensorFlow raises over a ref variable
-        ref = [v.op.name for v in step.state() if v.op.type != "VarHandleOp"]
+        # The graph's variables: the trace may fail before the step knows its own (var_list
+        # is found with the gradients; a ref variable's update op fails in the forward pass).
+        ref = [v.op.name for v in tf.compat.v1.global_variables() if v.op.type != "VarHandleOp"]
         if not ref:
             raise
         why = (f"{', '.join(map(repr, ref))} {'is a ref variable' if len(ref) == 1 else 'are ref variables'}"

@@ -473,3 +473,38 @@ def test_xla_loop_mode_compiles_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = sorted(p.name for p in tmp_path.glob("*.before_optimizations.txt"))
     assert len(compiled) == 1, compiled
+
+
+def test_auto_over_ref_variables_with_an_update_op_says_why_and_is_bitwise():
+    """Issue 28: mode='auto' over ref variables whose update op failed in the XLA trace
+    (before the step knew its var_list) crashed with "'NoneType' object is not
+    iterable", hiding the cause. Now: unrolled, the ref variables named in why, bitwise
+    with canonical single steps (minimize under UPDATE_OPS)."""
+    def model():
+        w = V1.get_variable("w", initializer=np.array([1.0, -0.5], np.float32), use_resource=False)
+        m = V1.get_variable("m", initializer=np.zeros([2], np.float32), use_resource=False,
+                            trainable=False)
+        V1.add_to_collection(V1.GraphKeys.UPDATE_OPS, V1.assign(m, m * 0.9 + w * 0.1))
+        return tf.reduce_sum(w * w * w)
+
+    with tf.Graph().as_default():
+        loss = model()
+        with tf.control_dependencies(V1.get_collection(V1.GraphKeys.UPDATE_OPS)):
+            train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for _ in range(6):
+                sess.run(train)
+            want = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    with tf.Graph().as_default():
+        unrolled = ms.unroll(model, V1.train.GradientDescentOptimizer(0.1), 3, mode="auto")
+        assert unrolled.mode == "unrolled"
+        assert "'w', 'm' are ref variables, which XLA cannot compile" in unrolled.why
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for _ in range(2):
+                unrolled.run(sess)
+            got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
