@@ -19,6 +19,7 @@ after_apply's), with the names a single-step graph gives them.
 
 import contextlib
 import dataclasses
+import traceback
 import warnings
 
 import tensorflow as tf
@@ -854,7 +855,7 @@ class CreationGuard:
                 f"ms.unroll, through UPDATE_OPS inside loss_fn (total.assign_add(...)).")
         if self.step != 1:
             who = "after_apply" if (self._prefix or "").endswith("/after_apply/") else "loss_fn"
-            if "ExponentialMovingAverage" in str(name):
+            if scopes.made_by_ema(traceback.extract_stack()):
                 raise ValueError(f"{who} created variable {name!r} at inner step "
                                  f"{self.step}: {scopes.EMA_FIX}")
             raise ValueError(

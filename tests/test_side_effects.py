@@ -440,7 +440,10 @@ def test_tf_compat_v1_metrics_in_loss_fn_are_refused_once_with_a_fix_that_works(
             assert sess.run(mean) == np.float32((1 + 0.25 + 0.0625) / 3)
 
 
-def test_an_ema_of_a_tensor_in_after_apply_is_refused_naming_after_apply():
+@pytest.mark.parametrize("ema_name", ["ExponentialMovingAverage", "avg"])
+def test_an_ema_of_a_tensor_in_after_apply_is_refused_naming_after_apply(ema_name):
+    """Any EMA's name (the CIFAR-10 tutorial's is "avg": its shadows' names do not say
+    ExponentialMovingAverage; issue 28)."""
     last = []
 
     def loss_fn():
@@ -448,7 +451,7 @@ def test_an_ema_of_a_tensor_in_after_apply_is_refused_naming_after_apply():
         last[:] = [w * w]
         return last[0]
 
-    ema = tf.train.ExponentialMovingAverage(0.9)
+    ema = tf.train.ExponentialMovingAverage(0.9, name=ema_name)
     with tf.Graph().as_default(), pytest.raises(
             ValueError, match=r"^after_apply created variable .*ExponentialMovingAverage.apply on a tensor"):
         ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, after_apply=lambda: ema.apply(last))
@@ -465,11 +468,13 @@ def test_an_after_apply_op_not_returned_is_refused_saying_return_it():
                   V1.train.GradientDescentOptimizer(0.1), 2, after_apply=after)
 
 
-def test_an_ema_of_the_loss_in_loss_fn_is_refused_once_with_the_fix():
+@pytest.mark.parametrize("ema_name", ["ExponentialMovingAverage", "avg"])
+def test_an_ema_of_the_loss_in_loss_fn_is_refused_once_with_the_fix(ema_name):
     """The CIFAR-10 tutorial's ema.apply([losses]) in the model: at step 2 the shadow's
     name (after step 2's tensor) is new. It used to fail with TensorFlow's reuse error
-    ("Did you mean to set reuse=tf.AUTO_REUSE", which would make a shadow per step)."""
-    ema = V1.train.ExponentialMovingAverage(0.9)
+    ("Did you mean to set reuse=tf.AUTO_REUSE", which would make a shadow per step). The
+    tutorial names its EMA "avg" (issue 28: then the generic refusal came)."""
+    ema = V1.train.ExponentialMovingAverage(0.9, name=ema_name)
 
     def loss_fn():
         w = V1.get_variable("w", initializer=1.0)
