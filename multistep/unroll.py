@@ -66,6 +66,8 @@ class Unrolled:
         ``"while_loop+xla"`` (with ``mode="auto"``, what it chose).
       carry: with ``carry=``, what the run's last step carried out (fetch it with the
         train op; feed it as the next run's initial carry); else None.
+      carry_in: with ``carry=``, the nest it was given (what the next run's first step
+        starts from: ``ms.verify`` feeds it what the previous run carried out); else None.
       summaries: string ``[N]``: each inner step's ``tf.summary`` ops that ``loss_fn``
         built, merged (a serialized ``Summary`` a step; ``ms.hooks.StepSummaryHook``
         writes each at its step's global step); None if it built none.
@@ -87,6 +89,7 @@ class Unrolled:
     _run_length: object = dataclasses.field(default=None, repr=False)  # _RunLength, loop mode
     summaries: object = None
     carry: object = None
+    carry_in: object = None
     _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
@@ -520,6 +523,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
     summaries, carried = outputs.pop("summary", None), outputs.pop("carry", None)
     return Unrolled(train_op=train_op, losses=outputs.pop("loss"), steps=steps,
                     summaries=summaries, carry=carried,
+                    carry_in=step.initial_carry if step.carries else None,
                     var_list=tuple(step.var_list), name=label, records=outputs,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,

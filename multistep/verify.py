@@ -315,6 +315,12 @@ class _Program:
             if n is not None and n != steps:
                 raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
             self.fetch = (unrolled.train_op, unrolled.losses)
+            # carry= (an RNN's state): each run starts from what the run before carried
+            # out, as the program's own loop feeds it; the first from the build's feed.
+            self._carry_in = tf.nest.flatten(getattr(unrolled, "carry_in", None) or [])
+            self._carried = None
+            if self._carry_in:
+                self.fetch += (tf.nest.flatten(unrolled.carry),)
             # ms.compile's program takes the original placeholders, [steps, ...] values.
             self.compiled = hasattr(unrolled, "feed_dict")
             self._translate = unrolled.feed_dict if self.compiled else (lambda feed: feed)
@@ -356,10 +362,14 @@ class _Program:
 
     def run(self, index):
         feed = self._translate(self.feed(index) if callable(self.feed) else self.feed)
+        if self._carried is not None:
+            feed = {**(feed or {}), **dict(zip(self._carry_in, self._carried))}
         if self.nodes is None:
             values, self.nodes = kernels_lib.executed(self.session, self.fetch, feed)
         else:
             values = self.session.run(self.fetch, feed)
+        if self._carry_in:
+            self._carried = values[2]
         return np.asarray(values[1], np.float32).reshape(-1)
 
     def values(self):
