@@ -570,7 +570,8 @@ def _chain(step, feed, steps, end, watched, label, first_seconds, carried=None):
         with tf.name_scope(f"step_{k}"):
             out, next_end = step.build(k, lambda k=k: feed.args(k - 1), deps=[end], carry=carried)
         if k == 2:
-            _warn_slow_build(first_seconds, time.perf_counter() - started, steps, label)
+            _warn_slow_build(first_seconds, time.perf_counter() - started, steps, label,
+                             loop_refused=step.carries and not tf.compat.v1.control_flow_v2_enabled())
         lint.check_step(k, next_end, end, watched, name=label,
                         values=step.carry_ops if step.carries else ())
         outputs.append(out)
@@ -768,21 +769,28 @@ def _check_record(record, optimizer):
     return record
 
 
-def _warn_slow_build(first_seconds, second_seconds, steps, label):
+def _warn_slow_build(first_seconds, second_seconds, steps, label, *, loop_refused=False):
     """Warn, after step 2, when steps 1 and 2's build times predict a slow unrolled build.
 
     Step 2 is the one that repeats: step 1 also creates the variables and slots (under
     XLA, from inside the program's tracing), so it alone would overstate the rest.
+    ``loop_refused``: loop mode would refuse this build (``carry=`` under v1 control
+    flow), so it is not the advice.
     """
     predicted = first_seconds + (steps - 1) * second_seconds
     if predicted > SLOW_BUILD_SECONDS:
+        advice = (f"mode='while_loop' builds step 1 and one loop body whatever N, about "
+                  f"{first_seconds + second_seconds:.1f} s here, with the same results."
+                  if not loop_refused else
+                  "mode='while_loop' would build one loop body whatever N, but it refuses "
+                  "carry= under v1 control flow (disable_v2_behavior): build fewer steps a "
+                  "run, or xla=True (its loop is a function's, v2), or turn v2 control flow "
+                  "on (tf.compat.v1.enable_control_flow_v2()) with resource variables.")
         warnings.warn(
             f"{label}: step 2 took {second_seconds * 1e3:.0f} ms to build (step 1, with the "
             f"variables and slots, {first_seconds * 1e3:.0f} ms), so {steps} unrolled steps will "
             f"take about {predicted:.0f} s to build (and their first run longer, and memory with "
-            f"N). mode='while_loop' builds step 1 and one loop body whatever N, about "
-            f"{first_seconds + second_seconds:.1f} s here, with the same results.", RuntimeWarning,
-            stacklevel=lint.user_stacklevel())
+            f"N). {advice}", RuntimeWarning, stacklevel=lint.user_stacklevel())
 
 
 def _check_graph_size(graph, step_bytes, steps, label):

@@ -4,6 +4,10 @@ feed-dict script: one sess.run a step, its initial state a placeholder fed the f
 state the previous run returned. Fused, the first step of each run is fed the state the
 previous run carried out (Unrolled.carry)."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -182,3 +186,29 @@ def test_verify_carries_the_state_from_run_to_run():
     assert report.ok and report.bitwise, report
     want, want_losses, _ = feed_dict_original("resource", 12)  # the program's own loop
     assert report.fused_losses.tobytes() == want_losses.astype(np.float32).tobytes()
+
+
+SLOW_CARRY_UNDER_V1 = """
+import warnings, importlib
+import numpy as np, tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+import multistep as ms
+importlib.import_module("multistep.unroll").SLOW_BUILD_SECONDS = 0.0  # any build is slow
+V1 = tf.compat.v1
+w = V1.get_variable("w", initializer=1.0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ms.unroll(lambda c: (w * w * c, c * 0.5), V1.train.GradientDescentOptimizer(0.1), 3,
+              carry=tf.constant(1.0))
+print([str(c.message) for c in caught if "to build" in str(c.message)][0])
+"""
+
+
+def test_the_slow_build_warning_does_not_advise_a_loop_that_would_refuse_the_carry():
+    """Issue 28: under v1 control flow, the warning advised mode='while_loop' "with the
+    same results" for a carry= build, which loop mode then refused."""
+    result = subprocess.run([sys.executable, "-c", SLOW_CARRY_UNDER_V1], capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "it refuses carry= under v1 control flow" in result.stdout
+    assert "with the same results" not in result.stdout
