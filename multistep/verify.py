@@ -144,7 +144,8 @@ class Report:
     def _kernel_line(self):
         if self.same_kernels is None:
             return ("kernels: not compared (no inner step's kernels in the partition graphs: "
-                    "the steps ran inside one XLA program, or were not built by ms.unroll or ms.compile)")
+                    "the steps ran inside one XLA program, or were not built by ms.unroll or "
+                    "ms.compile)")
         if self.same_kernels:
             return "kernels: same kernels in every inner step as in a single step"
         note = (" (the values agree on this CPU; another may round the two kernels apart)"
