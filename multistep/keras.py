@@ -7,6 +7,8 @@ buffers inside the compiled execution, and the callback reads the buffers once p
 execution.
 """
 
+import os
+
 import keras
 import tensorflow as tf
 
@@ -49,7 +51,14 @@ class StepHistory(keras.callbacks.Callback):
     def __init__(self, callbacks=(), log_dir=None):
         super().__init__()
         self.callbacks = list(callbacks)
-        self.log_dir = log_dir
+        for i, callback in enumerate(self.callbacks):
+            if not isinstance(callback, keras.callbacks.Callback):
+                raise TypeError(f"StepHistory: callbacks[{i}] must be a keras.callbacks.Callback "
+                                f"(its on_train_batch_end is called once per inner step), got "
+                                f"{callback!r}.")
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"StepHistory: log_dir must be a directory path, got {log_dir!r}.")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.history, self.steps = {}, []
         self._buffers = self._count = None
         self._spe = None  # the steps per execution the buffers hold

@@ -471,6 +471,8 @@ def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=Non
 
     if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}.")
+    if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not atol >= 0:
+        raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
     fused = fuse(step_fn, steps, jit_compile=jit_compile, check=False, optimizer=optimizer)
     total = fused.steps * calls
     if isinstance(batches, tf.data.Dataset):

@@ -475,3 +475,14 @@ def test_unseeded_noise_under_a_global_seed_is_bitwise():
     got = np.concatenate([fused(tf.ones([STEPS, 2]))["loss"].numpy() for _ in range(2)])
     assert got.tobytes() == np.array(want, np.float32).tobytes()
     assert w.numpy().tobytes() == reference.numpy().tobytes()
+
+
+def test_verify_atol_and_step_history_arguments_are_checked():
+    """Issue 29: verify(atol=-1), StepHistory(callbacks=[print]) and StepHistory(log_dir=3)
+    were taken silently."""
+    with pytest.raises(ValueError, match="atol must be a number >= 0, got -1"):
+        ms.tf2.verify(lambda batch: tf.reduce_sum(batch), 2, batches=tf.ones([4]), atol=-1)
+    with pytest.raises(TypeError, match=r"callbacks\[0\] must be a keras.callbacks.Callback"):
+        ms.keras.StepHistory(callbacks=[print])
+    with pytest.raises(TypeError, match="log_dir must be a directory path, got 3"):
+        ms.keras.StepHistory(log_dir=3)
