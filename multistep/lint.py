@@ -15,6 +15,7 @@ How a "read" looks in a graph:
   with every ref variable is transparent here, and its consumers are checked.
 """
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -161,6 +162,16 @@ def check_dangling(ops, end, *, exempt, name, step):
                     f"never run. Return it from after_apply (an op, a tensor or a list of them, "
                     f"e.g. after_apply=lambda: [w.assign(tf.clip_by_norm(w, 1.0))]): what "
                     f"after_apply returns runs after each step's apply, before the next step.")
+            if op.type in _V2_SUMMARY_OPS:
+                raise ValueError(
+                    f"{name}: inner step {step} builds the TF2 summary op '{op.name}' "
+                    f"({op.type}){built_at(op)}. In a TF1 graph a TF2 tf.summary op writes "
+                    f"only when fetched (a single step fetches "
+                    f"tf.compat.v1.summary.all_v2_summary_ops() beside its train op), and a "
+                    f"fused run cannot fetch one op per inner step. Write it with "
+                    f"tf.compat.v1.summary.scalar (or histogram, ...) instead: unrolled.summaries "
+                    f"holds each inner step's, and ms.hooks.StepSummaryHook writes each at its "
+                    f"step's global step.")
             raise ValueError(
                 f"{name}: inner step {step} builds the stateful op '{op.name}' ({op.type})"
                 f"{built_at(op)}, but "
@@ -399,8 +410,25 @@ def built_at(op):
     return f" at {frame.filename}:{frame.lineno} (in {frame.name})"
 
 
+def _package_dirs(*names):
+    """The directories of the installed packages ``names`` (found, not imported)."""
+    found = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            found += [os.path.abspath(p) + os.sep for p in spec.submodule_search_locations]
+    return tuple(found)
+
+
+# Frames that are not the user's: multistep's, TensorFlow's, and the libraries whose ops a
+# user's line builds through (TensorBoard's tf.summary, Keras and tf-keras layers).
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-             os.path.dirname(os.path.abspath(tf.__file__)) + os.sep)
+             os.path.dirname(os.path.abspath(tf.__file__)) + os.sep,
+             *_package_dirs("tensorboard", "keras", "tf_keras"))
+# TF2 tf.summary ops (summary_ops_v2): in a TF1 graph they write only when fetched.
+_V2_SUMMARY_OPS = frozenset({"WriteSummary", "WriteScalarSummary", "WriteHistogramSummary",
+                             "WriteImageSummary", "WriteAudioSummary", "WriteRawProtoSummary",
+                             "WriteGraphSummary"})
 
 
 def user_stacklevel():

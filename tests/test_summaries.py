@@ -294,3 +294,25 @@ def test_summaries_in_loss_fn_are_written_per_inner_step(tmp_path, mode):
     for key in single:
         if key[1] >= 1:  # SummarySaverHook also writes at global step 0, before the first apply
             assert fused[key] == single[key], key
+
+
+def test_a_tf2_summary_in_loss_fn_is_refused_saying_why_at_the_users_line(tmp_path):
+    """Issue 28: the refusal said a single step would not run it either (false: a single
+    step fetches tf.compat.v1.summary.all_v2_summary_ops()) and pointed into TensorBoard's
+    source."""
+    with tf.Graph().as_default():
+        step = V1.train.get_or_create_global_step()
+        with tf.summary.create_file_writer(str(tmp_path)).as_default():
+            def loss_fn():
+                w = V1.get_variable("w", initializer=1.0)
+                loss = w * w
+                tf.summary.scalar("loss", loss, step=step)  # the user's line
+                return loss
+
+            with pytest.raises(ValueError) as info:
+                ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, global_step=step)
+    message = str(info.value)
+    assert "TF2 summary op" in message and "all_v2_summary_ops()" in message
+    assert "tf.compat.v1.summary.scalar" in message
+    assert f"at {__file__}:" in message and "(in loss_fn)" in message
+    assert "tensorboard" not in message.split(" at ", 1)[1].split(")", 1)[0]
