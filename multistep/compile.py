@@ -320,12 +320,11 @@ _Template = collections.namedtuple("_Template", "graph_def names colocation shar
 
 def _template(copied, inputs):
     """The copied ops as a GraphDef, each copy of the step made from it (``inputs``: the
-    per-step placeholder ops): their colocation
-    constraints (``_class``) taken out (set again after the import, pointing at the
-    shared op itself or at the op's copy), what they read from outside (``shared``: a
-    reference as the GraphDef writes it -> the shared tensor; ``inputs``: the names of
-    the per-step placeholders), and the ops that ``_needs_order`` orders after the
-    previous step."""
+    per-step placeholder ops): their colocation constraints (``_class``) taken out (set
+    again after the import, pointing at the shared op itself or at the op's copy), what
+    they read from outside (``shared``: a reference as the GraphDef writes it -> the
+    shared tensor; ``inputs``: the names of the per-step placeholders), and the ops that
+    ``_needs_order`` orders after the previous step."""
     graph_def = tf.compat.v1.GraphDef()
     colocation = {}
     for op in copied:
