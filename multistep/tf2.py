@@ -158,24 +158,58 @@ class Fused:
         return out
 
     def _call_iterator(self, iterator):
-        elements, count = [], 0
+        """The next N elements of ``iterator`` as one block. An element whose shapes
+        differ from the block's (a short last batch of ``batch(n)``, a ``padded_batch``
+        padded to its own longest) ends the block there: the steps before it run, then
+        a ValueError names it. Nothing past it is taken from the iterator."""
+        elements, odd = [], None
         for _ in range(self.steps):
             element = iterator.get_next_as_optional()
             if not element.has_value():
                 break
-            elements.append(element.get_value())
-            count += 1
-        if count == 0:
+            value = element.get_value()
+            if not self._fits(value, elements[0] if elements else None):
+                odd = value
+                break
+            elements.append(value)
+        count = len(elements)
+        if count == 0 and odd is None:
             raise tf.errors.OutOfRangeError(None, None, "ms.tf2.fuse: the input is exhausted.")
-        if count < self.steps:
-            warnings.warn(f"ms.tf2.fuse: the input ran out: this call ran {count} of its "
-                          f"{self.steps} steps.", RuntimeWarning, stacklevel=3)
+        out = {}
+        if count:
+            if count < self.steps and odd is None:
+                warnings.warn(f"ms.tf2.fuse: the input ran out: this call ran {count} of its "
+                              f"{self.steps} steps.", RuntimeWarning, stacklevel=3)
             # The same shapes as a full block (no retrace): the missing steps repeat the
             # last element and are not run (the loop stops at count).
-            elements += [elements[-1]] * (self.steps - count)
-        batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *elements)
-        out = self._run(batches, count)
-        return {key: value[:count] for key, value in out.items()}
+            padded = elements + [elements[-1]] * (self.steps - count)
+            batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *padded)
+            out = {key: value[:count] for key, value in self._run(batches, count).items()}
+        if odd is not None:
+            shapes = [tuple(t.shape) for t in tf.nest.flatten(odd)]
+            want = ([tuple(t.shape) for t in tf.nest.flatten(elements[0])] if elements else
+                    [tuple(spec.shape[1:]) for spec in tf.nest.flatten(self._signature)])
+            raise ValueError(
+                f"ms.tf2.fuse: the input's next element has shapes {shapes}, where the fused "
+                f"steps take {want}: a short last batch (batch(n) keeps one; "
+                f"batch(n, drop_remainder=True) drops it) or variable-length batches "
+                f"(padded_batch pads each to its own longest: give padded_shapes= a fixed "
+                f"length). This call ran the {count} step(s) before it; that element was taken "
+                f"from the iterator and not trained (run it through a single-step "
+                f"tf.function), and nothing after it was taken.")
+        return out
+
+    def _fits(self, element, first):
+        """Whether ``element`` has the shapes of ``first`` (the block's first element) and
+        of the steps traced so far."""
+        shapes = [t.shape for t in tf.nest.flatten(element)]
+        if first is not None and shapes != [t.shape for t in tf.nest.flatten(first)]:
+            return False
+        if self._signature is not None:
+            traced = [spec.shape[1:] for spec in tf.nest.flatten(self._signature)]
+            return len(traced) == len(shapes) and all(
+                a.is_compatible_with(b) for a, b in zip(traced, shapes))
+        return True
 
     def _check_leading(self, batches):
         for t in tf.nest.flatten(batches):

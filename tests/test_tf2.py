@@ -486,3 +486,26 @@ def test_verify_atol_and_step_history_arguments_are_checked():
         ms.keras.StepHistory(callbacks=[print])
     with pytest.raises(TypeError, match="log_dir must be a directory path, got 3"):
         ms.keras.StepHistory(log_dir=3)
+
+
+def test_a_short_batch_from_tf_data_ends_the_block_and_is_named():
+    """Issue 29: batch(3) of 8 rows gives 3, 3 and 2 rows; at N = 3 the stack of unequal
+    batches failed in TensorFlow ("Shapes of all inputs must match") with 3 batches taken
+    and lost. Now the 2 steps before the short batch run, bitwise with 2 single calls, and
+    the error names the short batch; nothing after it is taken."""
+    rows_x, rows_y = X.reshape(-1, 4)[:8], Y.reshape(-1)[:8]
+    data = tf.data.Dataset.from_tensor_slices((rows_x, rows_y)).batch(3)
+    model, opt, step = keras_step("dense", "sgd_momentum")
+    fused = ms.tf2.fuse(step, 3)
+    iterator = iter(data)
+    with pytest.raises(ValueError, match=r"next element has shapes \[\(2, 4\), \(2,\)\].*"
+                                         r"drop_remainder=True.*ran the 2 step\(s\) before it"):
+        fused(iterator)
+    reference, _, single = keras_step("dense", "sgd_momentum")
+    single = tf.function(single, autograph=False)
+    for batch in list(data)[:2]:
+        single(batch)
+    for a, b in zip(model.variables, reference.variables):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), a.path
+    with pytest.raises(tf.errors.OutOfRangeError):  # the short batch was the last taken
+        fused(iterator)
