@@ -478,8 +478,8 @@ def test_unseeded_noise_under_a_global_seed_is_bitwise():
 
 
 def test_verify_atol_and_step_history_arguments_are_checked():
-    """Issue 29: these arguments were taken silently.  # (atol=-1 below: no tolerance)
-    verify(atol=-1), StepHistory(callbacks=[print]), StepHistory(log_dir=3)."""
+    """Issue 29: verify with a negative atol, StepHistory(callbacks=[print]) and
+    StepHistory(log_dir=3) were taken silently."""
     with pytest.raises(ValueError, match="atol must be a number >= 0, got -1"):
         # (an invalid argument, refused: not a tolerance)
         ms.tf2.verify(lambda batch: tf.reduce_sum(batch), 2, batches=tf.ones([4]), atol=-1)
