@@ -16,13 +16,14 @@ copied.
 
 import collections
 import dataclasses
-import numbers
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from multistep import lint
+from multistep.unroll import (_PLAIN_SESSIONS, _run_length, callable_for, positive_int,
+                              set_steps_per_run)
 
 __all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
 
@@ -46,7 +47,6 @@ STATE_OWNERS = frozenset({
     "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
 })
 _PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
-_PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
 # Ops that make a resource for the step's own use, live only while it runs, or look up
 # shared state by a handle string (a feedable iterator): copied.
 _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
@@ -163,24 +163,12 @@ class Compiled:
         ``MonitoredSession``'s hooks must see each run)."""
         if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
             return session.run(self.values, self.feed_dict(feed_dict))
-        if session not in self._callables:
-            for closed in [s for s in self._callables if s._closed]:  # noqa: SLF001
-                del self._callables[closed]  # (a callable holds its session alive)
-            self._callables[session] = session.make_callable(self.values)
-        return self._callables[session]()
+        return callable_for(self._callables, session, self.values)[0]()
 
     def set_steps_per_run(self, session, n):
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
         mode only (as ``ms.Unrolled.set_steps_per_run``)."""
-        if self._run_length is None:
-            raise TypeError(
-                f"{self.name}: set_steps_per_run needs mode='while_loop'; mode='unrolled' "
-                f"holds exactly {self.steps} copies of the step.")
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"{self.name}: steps per run must be an int, got {n!r}.")
-        if not 1 <= n <= self.steps:
-            raise ValueError(f"{self.name}: steps per run must be in 1..{self.steps}, got {n}.")
-        session.run(self._run_length.assign, {self._run_length.value: int(n)})
+        set_steps_per_run(self, session, n)
 
 
 def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="multistep"):  # noqa: A001
@@ -209,7 +197,6 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
     if tf.executing_eagerly():
         raise RuntimeError("ms.compile compiles a tf.compat.v1 graph; call it inside "
                            "`with graph.as_default():` (or after disable_eager_execution()).")
-    from multistep.unroll import positive_int
     steps = positive_int("steps", steps)
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}.")
@@ -506,7 +493,6 @@ def _unrolled(template, roots, inputs, steps, label):
 
 
 def _while_loop(template, roots, inputs, steps, label):
-    from multistep.unroll import _run_length
     run_length = _run_length(steps, count_done=False)
     count = run_length.read
     with tf.compat.v1.name_scope(f"{label}/inputs/"):

@@ -255,10 +255,8 @@ class Fused:
     def _step(self, batches, k):
         batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
         try:
-            if self.strategy is None:
-                returned = self.step_fn(*self._arguments(batch))
-            else:
-                returned = self._replicated(batch)
+            returned = (self._call(batch) if self.strategy is None
+                        else self._replicated(batch))
         except tf.errors.OperatorNotAllowedInGraphError as error:
             raise TypeError(
                 f"ms.tf2.fuse traces step_fn without AutoGraph (autograph=False), so a Python "
@@ -279,12 +277,12 @@ class Fused:
             out["iteration"] = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
         return out
 
-    def _arguments(self, batch):
-        """step_fn's arguments: the batch, or its items where step_fn takes as many
-        (``train_step(x, y)`` with batches ``(xs, ys)``)."""
+    def _call(self, batch):
+        """step_fn on one step's batch (a replica's share, under a strategy): the batch, or
+        its items where step_fn takes as many (``train_step(x, y)`` with ``(xs, ys)``)."""
         if isinstance(batch, (tuple, list)) and self._positional == len(batch) > 1:
-            return tuple(batch)
-        return (batch,)
+            return self.step_fn(*batch)
+        return self.step_fn(batch)
 
     def _trace_without_creating_variables(self, batches, count):
         """Under a strategy, trace first and refuse a step that creates variables: made in
@@ -330,7 +328,7 @@ class Fused:
             return tf.nest.map_structure(part, batch)
 
         per_replica = strategy.run(
-            self.step_fn, (strategy.experimental_distribute_values_from_function(share),))
+            self._call, (strategy.experimental_distribute_values_from_function(share),))
         how = tf.distribute.ReduceOp.SUM if self.reduce == "sum" else tf.distribute.ReduceOp.MEAN
         return tf.nest.map_structure(lambda v: strategy.reduce(how, v, axis=None), per_replica)
 

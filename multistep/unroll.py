@@ -109,15 +109,10 @@ class Unrolled:
         try:
             if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
                 return session.run(self.losses, feed_dict)
-            if session not in self._callables:
-                # A callable holds its session, so its weak key would never die: drop
-                # the callables of closed sessions, which then free their resources.
-                for closed in [s for s in self._callables if s._closed]:
-                    del self._callables[closed]
-                self._callables[session] = session.make_callable(self.losses)
-                if self.mode == "unrolled+xla" and self.steps > UNROLLED_XLA_WARN_STEPS:
-                    return self._first_compiled_run(self._callables[session])
-            return self._callables[session]()
+            call, new = callable_for(self._callables, session, self.losses)
+            if new and self.mode == "unrolled+xla" and self.steps > UNROLLED_XLA_WARN_STEPS:
+                return self._first_compiled_run(call)
+            return call()
         except tf.errors.OutOfRangeError as error:
             raise InputExhaustedError(self._exhausted_message(session, error), error) from error
 
@@ -143,20 +138,7 @@ class Unrolled:
         ``records`` then hold ``n`` values. The value is a local variable: a new
         session starts again from ``steps``.
         """
-        if self._run_length is None:
-            raise TypeError(
-                f"{self.name}: set_steps_per_run needs mode='while_loop'; in mode='unrolled' "
-                f"the graph holds exactly {self.steps} copies of the step, so every run makes "
-                f"{self.steps} steps. Build with mode='while_loop' (graph size independent of N) "
-                f"to vary the run length without a rebuild.")
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"{self.name}: steps per run must be an int, got {n!r} "
-                            f"({type(n).__name__}).")
-        if not 1 <= n <= self.steps:
-            raise ValueError(
-                f"{self.name}: steps per run must be in 1..{self.steps} (the most a run was "
-                f"built for: ms.unroll(..., steps={self.steps})), got {n}.")
-        session.run(self._run_length.assign, {self._run_length.value: int(n)})
+        set_steps_per_run(self, session, n)
 
     def _exhausted_message(self, session, error):
         # The op that ran out; make_callable's errors name it only in their message.
@@ -183,6 +165,38 @@ class Unrolled:
 
 
 _PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
+
+
+def callable_for(callables, session, fetches):
+    """(the callable that runs ``fetches`` on ``session``, made now?): one
+    ``Session.make_callable`` per session, kept in ``callables`` (a WeakKeyDictionary)."""
+    if session in callables:
+        return callables[session], False
+    # A callable holds its session, so its weak key would never die: drop the callables of
+    # closed sessions, which then free their resources.
+    for closed in [s for s in callables if s._closed]:
+        del callables[closed]
+    callables[session] = session.make_callable(fetches)
+    return callables[session], True
+
+
+def set_steps_per_run(program, session, n):
+    """``program.set_steps_per_run`` (an ``Unrolled`` or ``ms.compile``'s ``Compiled``):
+    from the next run on, a run of loop mode makes ``n`` steps, ``1 <= n <= steps``."""
+    if program._run_length is None:
+        raise TypeError(
+            f"{program.name}: set_steps_per_run needs mode='while_loop'; in mode='unrolled' "
+            f"the graph holds exactly {program.steps} copies of the step, so every run makes "
+            f"{program.steps} steps. Build with mode='while_loop' (graph size independent of "
+            f"N) to vary the run length without a rebuild.")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{program.name}: steps per run must be an int, got {n!r} "
+                        f"({type(n).__name__}).")
+    if not 1 <= n <= program.steps:
+        raise ValueError(
+            f"{program.name}: steps per run must be in 1..{program.steps} (the most a run was "
+            f"built for: steps={program.steps}), got {n}.")
+    session.run(program._run_length.assign, {program._run_length.value: int(n)})
 
 
 class InputExhaustedError(tf.errors.OutOfRangeError):

@@ -151,11 +151,6 @@ def _variables(sess):
             if not v.op.name.startswith("multistep/")}
 
 
-def _executed(sess, fetches, feed):
-    from multistep import kernels
-    return kernels.executed(sess, fetches, feed)
-
-
 def reference(program):
     """STEPS * RUNS single steps: (variables after every STEPS of them, per-step values,
     the kernels of the first step by name)."""
@@ -167,7 +162,7 @@ def reference(program):
             snapshots, values, single = [], [], None
             for k in range(STEPS * RUNS):
                 if single is None:
-                    value, nodes = _executed(sess, fetches, feed(k))
+                    value, nodes = kernels.executed(sess, fetches, feed(k))
                     single = kernels.by_name(nodes)
                 else:
                     value = sess.run(fetches, feed(k))
@@ -195,7 +190,7 @@ def compiled(program, mode):
                     stacked.update({key: feeds[0][key] for key in feeds[0]
                                     if np.ndim(feeds[0][key]) == 0})  # one value, every step
                 if copies is None:
-                    value, nodes = _executed(sess, fused.values, fused.feed_dict(stacked))
+                    value, nodes = kernels.executed(sess, fused.values, fused.feed_dict(stacked))
                     copies = kernels.of_copies(nodes, fused.name)
                     unordered = unordered_reads(nodes, fused.name)
                 else:
