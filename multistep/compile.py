@@ -468,10 +468,7 @@ def _prepared(inputs, count, label):
 def _unrolled(template, roots, inputs, steps, label):
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = _prepared(inputs, steps, label)
-    slices = []
-    with tf.compat.v1.name_scope(f"{label}/inputs/"):
-        for k in range(steps):
-            slices.append({original: batches[original][k] for original in inputs})
+        slices = [{original: batches[original][k] for original in inputs} for k in range(steps)]
     copies, ends = _import(template, [(f"{label}/step_{k + 1}", slices[k], "previous" if k else None)
                                       for k in range(steps)], roots)
     per_step = [_fetched(c, roots, lambda root, k=k: slices[k].get(root, root))
