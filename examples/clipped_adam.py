@@ -1,7 +1,7 @@
 """Which gradient does Adam accumulate when you clip? The clipped one, at every inner step.
 
-Each 3-step run records, per inner step, the raw gradient and the gradient after
-``ms.clip_by_global_norm(1.0)`` (two recording transforms around the clip), then
+Each 3-step run (``ms.compile`` of the single step as written) returns, per inner step,
+the raw gradient and the gradient after ``ms.clip_by_global_norm(1.0)``, then
 prints Adam's first-moment slot m beside two numpy running averages,
 m = b1*m + (1-b1)*g: one fed with the clipped gradients, one with the raw ones.
 The slot follows the clipped one.
@@ -20,21 +20,19 @@ x = rng.randn(32, 2).astype(np.float32)
 y = (x @ np.array([4.0, -3.0], np.float32) + 10.0).astype(np.float32)  # far from w = 0: big gradients
 
 
-def record(store):
-    """A transform that changes nothing and keeps the gradient tensor of each inner step."""
-    def transform(grads_and_vars, step):
-        store.append(grads_and_vars[0][0])
-        return grads_and_vars
-    return transform
-
-
 with tf.Graph().as_default():
+    # The single step as written: gradients, the clip (ms.clip_by_global_norm is a plain
+    # function of the gradients), Adam's apply. ms.compile runs it 3 times per sess.run and
+    # returns every step's value of each tensor fetched.
     w = V1.get_variable("w", [2], initializer=V1.zeros_initializer())
     adam = V1.train.AdamOptimizer(0.1)
-    raw, clipped = [], []
-    fused = ms.unroll(lambda: tf.reduce_mean(tf.square(tf.linalg.matvec(x, w) - y)), adam, 3,
-                      grad_transforms=[record(raw), ms.clip_by_global_norm(1.0), record(clipped)])
-    fetch = [fused.train_op, tf.stack(raw), tf.stack(clipped)]
+    loss = tf.reduce_mean(tf.square(tf.linalg.matvec(x, w) - y))
+    grads_and_vars = adam.compute_gradients(loss)
+    clipped_pairs = ms.clip_by_global_norm(1.0)(grads_and_vars, None)
+    train = adam.apply_gradients(clipped_pairs)
+    fused = ms.compile({"train": train, "raw": grads_and_vars[0][0],
+                        "clipped": clipped_pairs[0][0]}, steps=3, mode="unrolled")
+    fetch = [fused.train_op, fused.values["raw"], fused.values["clipped"]]
     slot_m = adam.get_slot(w, "m")  # read after the run: a fetch beside train_op may run first
     m_clipped, m_raw = np.zeros(2), np.zeros(2)
     with V1.Session() as sess:

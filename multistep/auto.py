@@ -36,10 +36,10 @@ def choose(step, feed, label, *, in_replica_context):
                                    "compile IteratorGetNext (batch N steps at once to compile)")
     _register_xla_kernels()
     names = step.names_now()
-    step.guard.lift = True
+    step.guard.lift = step.xla = True
 
     def step_1():
-        return step.build(1, feed.args(0), deps=[])[0]
+        return step.build(feed.args(0), step.initial_carry)[0]
 
     try:
         graph = tf.function(step_1, jit_compile=True, autograph=False).get_concrete_function().graph
@@ -53,7 +53,7 @@ def choose(step, feed, label, *, in_replica_context):
         why = (f"{', '.join(map(repr, ref))} {'is a ref variable' if len(ref) == 1 else 'are ref variables'}"
                f", which XLA cannot compile (use_resource=True makes resource variables)")
     finally:
-        step.guard.lift = False
+        step.guard.lift = step.xla = False
         names.write()  # the layer and scope counters as step 1 found them, for the build
         step.rebuild = True
     if why is not None:

@@ -16,14 +16,13 @@ copied.
 
 import collections
 import dataclasses
+import numbers
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from multistep import lint
-from multistep.unroll import (_PLAIN_SESSIONS, _run_length, callable_for, positive_int,
-                              set_steps_per_run)
 
 __all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
 
@@ -53,6 +52,75 @@ _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "S
                              "Stack", "TemporaryVariable", "IteratorFromStringHandle",
                              "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
+
+
+_PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
+
+
+def callable_for(callables, session, fetches):
+    """(the callable that runs ``fetches`` on ``session``, made now?): one
+    ``Session.make_callable`` per session, kept in ``callables`` (a WeakKeyDictionary)."""
+    if session in callables:
+        return callables[session], False
+    # A callable holds its session, so its weak key would never die: drop the callables of
+    # closed sessions, which then free their resources.
+    for closed in [s for s in callables if s._closed]:
+        del callables[closed]
+    callables[session] = session.make_callable(fetches)
+    return callables[session], True
+
+
+def set_steps_per_run(program, session, n):
+    """``program.set_steps_per_run`` (an ``Unrolled`` or ``ms.compile``'s ``Compiled``):
+    from the next run on, a run of loop mode makes ``n`` steps, ``1 <= n <= steps``."""
+    if program._run_length is None:
+        raise TypeError(
+            f"{program.name}: set_steps_per_run needs mode='while_loop'; in mode='unrolled' "
+            f"the graph holds exactly {program.steps} copies of the step, so every run makes "
+            f"{program.steps} steps. Build with mode='while_loop' (graph size independent of "
+            f"N) to vary the run length without a rebuild.")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{program.name}: steps per run must be an int, got {n!r} "
+                        f"({type(n).__name__}).")
+    if not 1 <= n <= program.steps:
+        raise ValueError(
+            f"{program.name}: steps per run must be in 1..{program.steps} (the most a run was "
+            f"built for: steps={program.steps}), got {n}.")
+    session.run(program._run_length.assign, {program._run_length.value: int(n)})
+
+
+_RunLength = collections.namedtuple("_RunLength", "variable value assign read done")
+
+
+def make_run_length(steps, *, count_done):
+    """Loop mode's run length, built with the graph (a finalized graph takes no new op):
+    the local int32 variable ``steps_per_run`` (initial value ``steps``), a feed and an
+    assign op that set it, and what the loop reads: the variable, or ``steps`` while it
+    is uninitialised (a session that ran only global_variables_initializer). With
+    ``count_done`` (a tf.data input), also a local variable the loop sets to the steps
+    ended so far in a run, for InputExhaustedError's message."""
+    local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
+    variable = tf.compat.v1.Variable(steps, dtype=tf.int32, trainable=False, use_resource=True,
+                                     collections=local, name="steps_per_run")
+    with tf.compat.v1.name_scope(variable.op.name + "/"):
+        value = tf.compat.v1.placeholder(tf.int32, [], name="value")
+        assign = variable.assign(value, read_value=False, name="set")
+        read = tf.cond(variable.is_initialized(), variable.read_value,
+                       lambda: tf.constant(steps), name="count")
+    done = None
+    if count_done:
+        done = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
+                                     collections=local, name="steps_done")
+    return _RunLength(variable, value, assign, read, done)
+
+
+def positive_int(what, value):
+    """``value`` as an int, if it is an integer >= 1; else a TypeError or ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= 1, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value}.")
+    return int(value)
 
 
 def placement(op):
@@ -212,53 +280,115 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         if item.graph is not graph:
             raise ValueError(f"ms.compile: fetch {item.name!r} is not in the default graph.")
         roots.append(item)
-    ops = _ancestors_in_order([r if isinstance(r, tf.Operation) else r.op for r in roots])
-    where = {op: placement(op) for op in ops}
-    placeholders = [op for op in ops if where[op] == "input"]
-    fed = _per_step_placeholders(placeholders, feeds)
-    randoms = lint.stateful_random_ops(op for op in ops if where[op] == "copied")
     if mode == "auto":
         mode = "while_loop"
-    if mode == "unrolled" and steps > 1 and randoms:
+    with tf.name_scope(name) as scope:
+        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds)
+    structured = tf.nest.pack_sequence_as(fetches, built.values)
+    return Compiled(
+        train_op=built.train_op, values=structured, losses=_losses(roots, structured),
+        summaries=_summaries(roots, structured),
+        inputs=dict(built.inputs), steps=steps, name=built.label, mode=mode,
+        global_step=_global_step(graph, built.copied),
+        steps_per_run=built.run_length.variable if built.run_length is not None else None,
+        _run_length=built.run_length,
+        _by_name={original.name: (original, per_step)
+                  for original, per_step in built.inputs.items()},
+        _copied=frozenset(op.name for op in built.copied))
+
+
+Built = collections.namedtuple("Built", "values train_op run_length inputs carried copied label "
+                                        "program")
+
+
+def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
+          done=None, xla=False, strip=None, random="refuse", before=None, finish=None):
+    """The compiler proper, in the current name scope ``label``: ``roots`` (ops and
+    tensors) run ``steps`` times, ``mode`` ``"unrolled"`` or ``"while_loop"``.
+
+    ``feeds``: as ``compile``'s. ``given``: {placeholder the step reads: the ``[steps,
+    ...]`` tensor whose slice k step k reads} (``ms.unroll``'s inputs). ``links``:
+    {placeholder: (its value at step 1, the tensor of the step that is its value at the
+    next step)} (``carry=``). ``run_length``: loop mode's (made here if None); ``done``:
+    a variable the loop sets to the steps ended so far. ``xla``: the steps as one XLA
+    program. ``strip``: [(the name prefix of a step's ops, the label its copies go under)]:
+    copy k of an op under a prefix is ``<its label>/step_k/<the rest of its name>``
+    (loop mode ``.../loop/body/step/<the rest>``), of an op under none
+    ``<label>/step_k/_outside/<its name>``; None: ``<label>/step_k/<its name>``. ``random``: ``"refuse"`` or
+    ``"warn"`` stateful random ops in unrolled mode. ``before``: an op the steps start
+    after; ``finish(end)``: the op that ends the run, given the end of its last step.
+
+    Returns a ``Built``: ``values`` (per root: the op's train op, or the tensor's ``[N,
+    ...]`` values), ``carried`` (each link's value after the last step), ..."""
+    given, links = dict(given or {}), dict(links or {})
+    ops = _ancestors_in_order([r if isinstance(r, tf.Operation) else r.op for r in roots]
+                              + [following.op for _, following in links.values()])
+    where = {op: placement(op) for op in ops}
+    placeholders = [op for op in ops if where[op] == "input"]
+    internal = {t.op for t in list(given) + list(links)}
+    fed = _per_step_placeholders([p for p in placeholders if p not in internal], feeds)
+    randoms = lint.stateful_random_ops(op for op in ops if where[op] == "copied")
+    if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
             f"ms.compile: the step draws with stateful random ops ({', '.join(randoms[:3])}); "
             f"in mode='unrolled' each of the {steps} copies is a kernel of its own that "
             f"restarts the op's stream, so the steps would draw other numbers than single "
             f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
             f"which draws the single steps' stream.")
-    collectives = [f"{op.name!r} ({op.type})" for op in ops
-                   if op.type.startswith(("Collective", "Nccl"))]
-    if mode == "unrolled" and steps > 1 and collectives:
+    nccl = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Nccl")]
+    keyed = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Collective")]
+    if mode == "unrolled" and steps > 1 and (nccl or steps > _MOST_KEYED_COPIES and keyed):
         raise ValueError(
-            f"ms.compile: the step all-reduces across devices ({', '.join(collectives[:3])}); "
-            f"each op carries its group and instance keys, and {steps} unrolled copies of one "
-            f"key would meet as one collective. Use mode='while_loop': one kernel per op, "
-            f"run once a step, as single steps run it.")
+            f"ms.compile: the step all-reduces across devices ({', '.join((nccl or keyed)[:3])}); "
+            f"{steps} unrolled copies of it need keys of their own, which the compiler gives "
+            f"collective ops up to {_MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
+            f"mode='while_loop' (one kernel per op, run once a step) or fewer steps.")
     copied = [op for op in ops if where[op] == "copied"]
-    template = _template(copied, fed)
-    with tf.name_scope(name) as scope:
-        label = scope.rstrip("/")
-        with tf.name_scope("inputs"):
-            inputs = {p.outputs[0]: _per_step_input(p) for p in fed}
-        if mode == "unrolled":
-            values, end, run_length = _unrolled(template, roots, inputs, steps, label)
+    template = _template(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
+                         strip, label)
+    with tf.name_scope("inputs"):
+        inputs = {p.outputs[0]: _per_step_input(p) for p in fed}
+    if mode == "while_loop" and run_length is None:
+        run_length = make_run_length(steps, count_done=False)
+    count = steps if mode == "unrolled" else run_length.read
+    with tf.compat.v1.name_scope(f"{label}/inputs/"):
+        batches = {**_prepared(inputs, count, label), **given}
+    core = _unrolled if mode == "unrolled" else _while_loop
+    program = None
+    with tf.control_dependencies([] if before is None else [before]):
+        if not xla:
+            values, end, carried = core(template, roots, batches, links, count, steps, label,
+                                        done)
         else:
-            values, end, run_length = _while_loop(template, roots, inputs, steps, label)
-        with tf.control_dependencies([end]):
-            train_op = tf.no_op(name="train")
-        with tf.control_dependencies([train_op]):
-            values = values()
+            program = tf.function(lambda: _compiled(core, template, roots, batches, links,
+                                                    count, steps, label, done),
+                                  jit_compile=True, autograph=False)
+            outputs = program()
+    if xla:
+        program = program.get_concrete_function().graph
+        end = outputs[0].op
+        tensors = iter(outputs[1:])
+        fetched = [None if isinstance(r, tf.Operation) else next(tensors) for r in roots]
+        carried = list(tensors)
+        values = lambda: [None if v is None else tf.identity(v, name=f"values_{j}")  # noqa: E731
+                          for j, v in enumerate(fetched)]
+    if finish is not None:
+        end = finish(end)
+    with tf.control_dependencies([end]):
+        train_op = tf.no_op(name="train")
+    with tf.control_dependencies([train_op]):
+        values = values()
     outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
-    structured = tf.nest.pack_sequence_as(fetches, outputs)
-    return Compiled(
-        train_op=train_op, values=structured, losses=_losses(roots, structured),
-        summaries=_summaries(roots, structured),
-        inputs=dict(inputs), steps=steps, name=label, mode=mode,
-        global_step=_global_step(graph, copied),
-        steps_per_run=run_length.variable if run_length is not None else None,
-        _run_length=run_length,
-        _by_name={original.name: (original, per_step) for original, per_step in inputs.items()},
-        _copied=frozenset(template.names))
+    return Built(outputs, train_op, run_length, inputs, carried, copied, label, program)
+
+
+def _compiled(core, template, roots, batches, links, count, steps, label, done):
+    """The steps inside an XLA program: [its end (a value), each tensor root's values, each
+    link's last value]."""
+    values, end, carried = core(template, roots, batches, links, count, steps, label, done,
+                                static=True)
+    with tf.control_dependencies([end]):
+        return [tf.constant(True)] + [v for v in values() if v is not None] + list(carried)
 
 
 def _graph_element(graph, item, index):
@@ -302,16 +432,23 @@ def _per_step_placeholders(placeholders, feeds):
     return [p for p in placeholders if p in wanted]
 
 
-_Template = collections.namedtuple("_Template", "graph_def names colocation shared inputs ordered")
+_Template = collections.namedtuple(
+    "_Template", "graph_def names colocation shared inputs ordered rename keys")
+# Copy k of a collective op (unrolled) takes instance key + k * _KEY_STRIDE: N copies of one
+# key would meet as one collective. TensorFlow numbers a graph's keys from a counter, so
+# the copies' keys stay clear of those built after; int32 keys bound the copies.
+_KEY_STRIDE = 2 ** 20
+_MOST_KEYED_COPIES = 2 ** 31 // _KEY_STRIDE - 1
 
 
-def _template(copied, inputs):
+def _template(copied, inputs, strip=None, label=""):
     """The copied ops as a GraphDef, each copy of the step made from it (``inputs``: the
     per-step placeholder ops): their colocation constraints (``_class``) taken out (set
     again after the import, pointing at the shared op itself or at the op's copy), what
     they read from outside (``shared``: a reference as the GraphDef writes it -> the
-    shared tensor; ``inputs``: the names of the per-step placeholders), and the ops that
-    ``_needs_order`` orders after the previous step."""
+    shared tensor; ``inputs``: the names of the per-step placeholders), the ops that
+    ``_needs_order`` orders after the previous step, and ``rename(name, prefix)``: an
+    op's name in the copy named ``prefix`` (see ``build``'s ``strip``)."""
     graph_def = tf.compat.v1.GraphDef()
     colocation = {}
     for op in copied:
@@ -334,8 +471,40 @@ def _template(copied, inputs):
             else:
                 shared[reference] = graph.get_tensor_by_name(
                     reference if ":" in reference else reference + ":0")
+
+    def rename(name, prefix):
+        if strip is None:
+            return f"{prefix}/{name}"
+        for step_prefix, step_label in strip:
+            if name.startswith(step_prefix):
+                if prefix.startswith(label + "/"):  # the step's own label, as in "label/step_k"
+                    prefix = step_label + prefix[len(label):]
+                return f"{prefix}/{name[len(step_prefix):]}"
+        return f"{prefix}/_outside/{name}"
+
     return _Template(graph_def, [op.name for op in copied], colocation, shared,
-                     placeholders, _needs_order(copied))
+                     placeholders, _needs_order(copied), rename, _instance_keys(copied))
+
+
+def _instance_keys(copied):
+    """{name of a node that holds a collective's instance key: "attr" (a v1 collective's
+    attribute) or "const" (the constant a v2 collective takes it from)}."""
+    keys = {}
+    for op in copied:
+        if not op.type.startswith("Collective"):
+            continue
+        if "instance_key" in op.node_def.attr:
+            keys[op.name] = "attr"
+            continue
+        names = [arg.name for arg in op.op_def.input_arg]
+        if "instance_key" in names:
+            source = op.inputs[names.index("instance_key")].op
+            if source.type != "Const":
+                raise ValueError(f"ms.compile: the collective {op.name!r} takes its instance "
+                                 f"key from {source.name!r} ({source.type}), not a constant: "
+                                 f"its unrolled copies cannot be given keys of their own.")
+            keys[source.name] = "const"
+    return keys
 
 
 def _needs_order(copied):
@@ -366,7 +535,7 @@ def _import(template, copies, roots):
     ``(prefix, slices, before)``: the copy's ops are ``<prefix>/<original name>``, each
     per-step placeholder reads ``slices[placeholder]``, and the ops ``_needs_order``
     names take ``before`` as a control input: None, an op, or ``"previous"`` (the end of
-    the copy before it). Each copy ends with a NoOp ``<prefix>_end`` after the copies of
+    the copy before it). Each copy ends with a NoOp ``<prefix>/end`` after the copies of
     the fetches. Returns ({original name: op} of each copy, the end op of each copy)."""
     graph = tf.compat.v1.get_default_graph()
     graph_def = tf.compat.v1.GraphDef()
@@ -374,14 +543,18 @@ def _import(template, copies, roots):
     copied = set(template.names)
     fetched = [root if isinstance(root, tf.Operation) else root.op for root in roots]
     fetched = [op.name for op in fetched if op.name in copied]
-    names = []
+    names, rename = [], template.rename
     for k, (prefix, slices, before) in enumerate(copies):
+        linked = {}  # placeholder op name -> a tensor of this GraphDef (the copy before's)
         for original, value in slices.items():
+            if isinstance(value, str):
+                linked[original.op.name] = value
+                continue
             input_map[f"{prefix}/_input/{original.name}"] = value
             input_map[f"^{prefix}/_input/{original.op.name}"] = value
         order = None
         if before == "previous":
-            order = f"^{copies[k - 1][0]}_end"
+            order = f"^{copies[k - 1][0]}/end"
         elif before is not None:
             order = f"^{prefix}/_before"
             input_map[order] = before.outputs[0]
@@ -391,7 +564,9 @@ def _import(template, copies, roots):
             name = reference.lstrip("^")
             op_name = name.split(":")[0]
             if op_name in copied:
-                return f"{control}{prefix}/{name}"
+                return f"{control}{rename(name, prefix)}"
+            if op_name in linked:
+                return f"^{linked[op_name].split(':')[0]}" if control else linked[op_name]
             if op_name in template.inputs:
                 return f"{control}{prefix}/_input/{name if ':' in name or control else name + ':0'}"
             return reference
@@ -399,16 +574,22 @@ def _import(template, copies, roots):
         for source in template.graph_def.node:
             node = graph_def.node.add()
             node.CopyFrom(source)
-            node.name = f"{prefix}/{source.name}"
+            node.name = rename(source.name, prefix)
             node.input[:] = [renamed(i) for i in source.input]
             if order is not None and source.name in template.ordered:
                 node.input.append(order)
+            if k and source.name in template.keys:  # a collective: keys of its own
+                if template.keys[source.name] == "attr":
+                    node.attr["instance_key"].i += k * _KEY_STRIDE
+                else:
+                    value = tf.make_ndarray(node.attr["value"].tensor) + k * _KEY_STRIDE
+                    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
             if source.op in ("Enter", "RefEnter"):  # v1 loops: a frame name per copy
                 node.attr["frame_name"].s = f"{prefix}/".encode() + source.attr["frame_name"].s
             names.append(node.name)
         end = graph_def.node.add()
-        end.name, end.op = f"{prefix}_end", "NoOp"
-        end.input[:] = [f"^{prefix}/{name}" for name in fetched]
+        end.name, end.op = f"{prefix}/end", "NoOp"
+        end.input[:] = [f"^{rename(name, prefix)}" for name in fetched]
         names.append(end.name)
     used = {i for node in graph_def.node for i in node.input}
     input_map = {k: v for k, v in input_map.items() if k in used}  # (an unused key is an error)
@@ -465,15 +646,24 @@ def _prepared(inputs, count, label):
     return out
 
 
-def _unrolled(template, roots, inputs, steps, label):
+def _unrolled(template, roots, batches, links, count, steps, label, done, static=False):
+    """N copies, each after the one before; returns (a builder of the values, the last
+    copy's end, each link's value after the last copy)."""
+    del count, done, static  # (every run makes ``steps`` steps)
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
-        batches = _prepared(inputs, steps, label)
-        slices = [{original: batches[original][k] for original in inputs} for k in range(steps)]
-    copies, ends = _import(template, [(f"{label}/step_{k + 1}", slices[k], "previous" if k else None)
+        slices = [{original: batch[k] for original, batch in batches.items()}
+                  for k in range(steps)]
+    prefixes = [f"{label}/step_{k + 1}" for k in range(steps)]
+    for k in range(steps):  # a link: step 1 reads its first value, step k the one before's
+        for placeholder, (first, following) in links.items():
+            slices[k][placeholder] = first if k == 0 else (
+                template.rename(following.name, prefixes[k - 1]))
+    copies, ends = _import(template, [(prefixes[k], slices[k], "previous" if k else None)
                                       for k in range(steps)], roots)
     per_step = [_fetched(c, roots, lambda root, k=k: slices[k].get(root, root))
                 for k, c in enumerate(copies)]
-    end = ends[-1]
+    carried = [_fetched(copies[-1], [following], lambda root: root)[0]
+               for _, following in links.values()]
 
     def values():  # built after the train op: fetching one runs the steps
         out = []
@@ -481,45 +671,56 @@ def _unrolled(template, roots, inputs, steps, label):
             if isinstance(root, tf.Operation):
                 out.append(None)
             elif per_step[0][j] is root:  # a shared op fetched: its value after the run
-                out.append(tf.identity(root))
+                out.append(tf.identity(root, name=f"values_{j}"))
             else:
                 out.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
         return out
 
-    return values, end, None
+    return values, ends[-1], carried
 
 
-def _while_loop(template, roots, inputs, steps, label):
-    run_length = _run_length(steps, count_done=False)
-    count = run_length.read
-    with tf.compat.v1.name_scope(f"{label}/inputs/"):
-        batches = _prepared(inputs, count, label)
+def _while_loop(template, roots, batches, links, count, steps, label, done, static=False):
+    """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
+    builder of the values, the loop's end, each link's value after the last step).
+    ``static``: the per-step values in arrays of ``steps`` entries, ``count`` of them
+    taken after the loop (what XLA compiles); else arrays of ``count`` entries."""
     tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
+    placeholders = list(links)
 
-    def body(i, arrays):
+    def body(i, arrays, carried):
         with tf.name_scope("inputs"):
-            slices = {original: tf.gather(batches[original], i) for original in inputs}
+            slices = {original: tf.gather(batch, i) for original, batch in batches.items()}
+        slices.update(zip(placeholders, carried))
         # v1 control flow: the body is built under the loop's scope; v2: in a function
         # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
         [copies], [end] = _import(
             template, [(f"{scope}/body/step" if scope else "step", slices, i.op)], roots)
         fetched = _fetched(copies, roots, lambda root: slices.get(root, tf.identity(root)))
+        following = _fetched(copies, [f for _, f in links.values()], lambda root: root)
         with tf.control_dependencies([end]):
-            written = [array.write(i, fetched[j]) for j, array in zip(tensors, arrays)]
-            return [i + 1, written]
+            ended = [] if done is None else [done.assign(i + 1, read_value=False)]
+            with tf.control_dependencies(ended):
+                written = [array.write(i, fetched[j]) for j, array in zip(tensors, arrays)]
+                return [i + 1, written, [tf.identity(f) for f in following]]
 
-    arrays = [tf.TensorArray(roots[j].dtype, size=count, element_shape=roots[j].shape)
+    size = steps if static else count
+    arrays = [tf.TensorArray(roots[j].dtype, size=size, element_shape=roots[j].shape)
               for j in tensors]
-    i, arrays = tf.while_loop(lambda i, _: i < count, body, [tf.constant(0), arrays],
-                              parallel_iterations=1, maximum_iterations=steps, name="loop")
+    first = [first for first, _ in links.values()]
+    start = [] if done is None else [done.assign(0, read_value=False)]
+    with tf.control_dependencies(start):
+        zero = tf.identity(0) if start else tf.constant(0)
+    i, arrays, carried = tf.while_loop(
+        lambda i, *_: i < count, body, [zero, arrays, first],
+        parallel_iterations=1, maximum_iterations=steps, name="loop")
 
     def values():  # built after the train op: fetching one runs the steps
-        stacked = {j: tf.identity(array.stack(), name=f"values_{j}")
-                   for j, array in zip(tensors, arrays)}
+        stacked = {j: tf.identity(array.stack()[:i] if static else array.stack(),
+                                  name=f"values_{j}") for j, array in zip(tensors, arrays)}
         return [stacked.get(j) for j in range(len(roots))]
 
-    return values, i.op, run_length
+    return values, i.op, carried
 
 
 def _losses(roots, values):

@@ -40,6 +40,22 @@ class Inputs:
         with tf.name_scope("inputs"):
             self.flat = [_dynamic_checked(t, i, steps, count) for i, t in enumerate(self.flat)]
 
+    def template(self):
+        """The step's arguments as the compiled step reads them: (positional arguments,
+        {the placeholder an argument is: the ``[N, ...]`` tensor whose slice k step k
+        reads}). An iterator's element is taken in the step (its copies each take the next)."""
+        if self.structure is None:
+            return (), {}
+        if self.iterator is not None:
+            return self.args(0), {}
+        given = {}
+        with tf.name_scope("inputs"):
+            for i, t in enumerate(self.flat):
+                given[tf.compat.v1.placeholder(t.dtype, t.shape[1:], name=f"input_{i}")] = t
+        element = tf.nest.pack_sequence_as(self.structure, list(given))
+        args = tuple(element) if type(self.structure) in (tuple, list) else (element,)
+        return args, given
+
     def args(self, index):
         """Positional arguments for the step at 0-based ``index`` (an int or a scalar tensor)."""
         if self.structure is None:

@@ -12,8 +12,8 @@ with a single step's, by name within the step.
 
 Names: step ``k`` of an unrolled build is everything under ``<name>/step_k/`` (its
 ``forward``, ``gradients``, ``transform``, ``record``, ``check``, ``apply`` and
-``after_apply`` scopes); loop mode's steps 2..N are the loop body's ops under the same
-scopes. A name within its step (``forward/MatMul``) is the same in every step and in a
+``after_apply`` scopes); loop mode's steps are the loop body's ops under the same
+scopes (``<name>/loop/body/.../step/``). A name within its step (``forward/MatMul``) is the same in every step and in a
 single step built by ``ms.unroll(..., steps=1)``.
 """
 
@@ -25,7 +25,7 @@ import tensorflow as tf
 
 __all__ = ["Kernel", "LOOP", "by_name", "compare", "count", "executed", "of_copies", "of_steps"]
 
-LOOP = "2..N"  # the key of loop mode's body in of_steps
+LOOP = "1..N"  # the key of loop mode's body (every step) in of_steps and of_copies
 _SCOPES = ("forward", "gradients", "transform", "record", "check", "apply", "after_apply")
 # Kernels that compute nothing a rounding could change: constants, data movement, control
 # flow frames, variables, their handles and reads, feeds, sends and receives between devices.
@@ -66,10 +66,10 @@ def _kernel(node):
 
 def of_steps(nodes, name="multistep"):
     """The computing kernels of each inner step of the build named ``name``:
-    ``{step: {name within the step: Kernel}}``, steps 1, 2, ... (loop mode: 1 and
-    ``LOOP``), in the order the partition graphs list them."""
+    ``{step: {name within the step: Kernel}}``, steps 1, 2, ... (loop mode: ``LOOP``),
+    in the order the partition graphs list them."""
     label = re.escape(name)
-    pattern = re.compile(rf"(?:^|/){label}/(?:step_(\d+)|loop/body(?:/body/_\d+)?)/"
+    pattern = re.compile(rf"(?:^|/){label}/(?:step_(\d+)|loop/body(?:/_\d+)?/step)/"
                          rf"((?:{'|'.join(_SCOPES)})/.*)$")
     steps = collections.defaultdict(dict)
     for node in nodes:
@@ -134,7 +134,7 @@ class Difference:
     def __str__(self):
         def ran(pairs):
             return ", ".join(f"{name} as {kernel}" for name, kernel in pairs) or "nothing more"
-        step = f"step {self.step}" if self.step != LOOP else "steps 2..N (the loop body)"
+        step = f"step {self.step}" if self.step != LOOP else "steps 1..N (the loop body)"
         return f"{step} ran {ran(self.fused)}; a single step ran {ran(self.single)}"
 
 

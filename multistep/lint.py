@@ -23,7 +23,8 @@ import warnings
 import tensorflow as tf
 
 __all__ = ["ALIAS_OPS", "CALL_OPS", "StaleForwardError", "ancestors", "built_at", "captures",
-           "check_captures", "check_dangling", "check_step", "is_stateful_random", "is_write",
+           "check_built_outside", "check_captures", "check_dangling", "is_stateful_random",
+           "is_write",
            "order_as_built", "program_nodes", "ref_variable_of", "source_op",
            "stateful_random_ops", "user_stacklevel", "warn_random_under_xla",
            "warn_stateful_random", "watched_variables", "written_variables"]
@@ -212,67 +213,35 @@ def watched_variables(variables):
     return {v.op: v.op.name for v in variables}
 
 
-def check_step(step, apply_op, previous_apply, watched, *, name, values=()):
-    """Raise StaleForwardError if step ``step`` reads watched state out of order.
-
-    Every op that ``apply_op`` depends on (its loss, gradients and
-    hyper-parameters) and that reads a watched variable must have
-    ``previous_apply`` among its ancestors (``values``: ops whose value the step takes as
-    data from the one before, its ``carry=`` inputs); a call (``CALL_OPS``: a cond, a v2 loop,
-    a ``tf.function`` call) that captures one, among the ancestors of its control
-    inputs, as it runs lowered.
-    """
-    after = {}
-    stale = {}  # op -> (variable name, read op) of a stale read in its ancestry
-    values = set(values)
-    for op in _ancestors_postorder(apply_op, stop={previous_apply, *values}):
-        if op in values:  # a value carried in from the previous step (carry=), as a feed is
-            after[op] = True
-            continue
-        preds = _preds(op) if op is not previous_apply else []
-        # A call (CALL_OPS) is lowered before it runs: the reads inside it wait for its
-        # control inputs, not for the data inputs other ops inside it use.
-        ordering = op.control_inputs if op.type in CALL_OPS and _read_of(op, watched) else preds
-        after[op] = op is previous_apply or any(after[p] for p in ordering)
-        if after[op]:
-            for pred in preds:
-                if not after[pred] and pred in stale:
-                    raise StaleForwardError(_stale_message(step, pred, *stale[pred], name=name))
+def check_built_outside(end, before, watched, *, name, loop=False):
+    """Raise StaleForwardError if the step that ``end`` ends uses a value built outside it
+    (among the ops ``before`` it) that reads watched state: a tensor ``loss_fn`` did not
+    build itself (``logits = dense(x)`` made once, a learning rate computed from the
+    global step outside), which ``ms.unroll`` refuses, as its N steps would if each
+    reused the value (a single step built once, as written, is ``ms.compile``'s)."""
+    stale = {}  # op outside the step -> (variable name, read op) in its ancestry, or None
+    found = []  # (the op of the step that uses it, the stale op)
+    for op in _ancestors_postorder(end):
+        if op not in before:
+            found += [(op, pred) for pred in _data_preds(op) if stale.get(pred)]
             continue
         var = _read_of(op, watched)
-        if var is not None:
-            stale[op] = (var, op)
-        else:
-            found = next((stale[p] for p in preds if p in stale), None)
-            if found is not None:
-                stale[op] = found
+        stale[op] = (var, op) if var is not None else next(
+            (stale[p] for p in _data_preds(op) if stale.get(p)), None)
+    if found:  # named as the forward pass uses it (a gradient may use the read inside it)
+        _, used = min(found, key=lambda pair: ("/gradients/" in pair[0].name, pair[0]._id))  # noqa: SLF001
+        raise StaleForwardError(_stale_message("2..N" if loop else 2, used, *stale[used],
+                                               name=name, loop=loop))
 
 
 def captures(body):
-    """The outside tensors a loop body or compiled program uses: a function graph's
-    (v2 control flow, XLA) external captures, or, given the ops a v1 ``tf.while_loop``
-    built (``disable_v2_behavior``), the inputs of its loop-invariant ``Enter`` ops."""
-    if isinstance(body, tf.Graph):
-        return list(body.external_captures)
-    return [op.inputs[0] for op in body
-            if op.type in ("Enter", "RefEnter") and op.get_attr("is_constant")
-            and not _orders_only(op)]
-
-
-def _orders_only(enter):
-    """Whether a v1 loop's ``Enter`` carries an outside control input, not a value: a v1
-    ``WhileContext`` turns an op's control input from outside the loop (the loop's
-    ``control_dependencies`` on step 1's end) into ``Identity(Enter(its output))`` used as
-    a control input only. Step 1's end is its apply, whose output, with a ref global step,
-    aliases the global step, and was taken for a stale read of it."""
-    consumers = enter.outputs[0].consumers()
-    return bool(consumers) and all(c.type == "Identity" and not c.outputs[0].consumers()
-                                   for c in consumers)
+    """The outside tensors a function graph (a loop body, a compiled program) uses."""
+    return list(body.external_captures)
 
 
 def check_captures(body, watched, *, name):
-    """Raise StaleForwardError if ``body`` (a loop body or compiled program: see
-    ``captures``) captures an outside tensor computed from a read of watched state.
+    """Raise StaleForwardError if ``body`` (a function graph: a loop body or compiled
+    program) captures an outside tensor computed from a read of watched state.
 
     Such a tensor is evaluated once, before the loop or program starts, so
     every step inside would reuse it. Captured variable handles are fine: the

@@ -70,15 +70,13 @@ def phase(loss_fn, optimizer, *, var_list=None, name=None):
 
 
 class Phased:
-    """The phases' ``Step``s, built as one inner step; what ``ms.unroll``'s chaining
-    (unrolled or loop) asks of a step."""
+    """The phases' ``Step``s, built as one step; what ``ms.unroll`` asks of a step."""
 
     def __init__(self, steps, names, order):
         self.steps, self.names, self.order = steps, names, order
         self.record = tuple(f"loss/{n}" for n in names)  # the per-step outputs besides "loss"
         self.skipped = self.halted = self.next_carry = None
-        self.rebuild = self.carries = False
-        self.carry_ops = set()
+        self.carries = self.xla = False
 
     @property
     def guard(self):
@@ -112,17 +110,15 @@ class Phased:
     def state(self):
         return list(dict.fromkeys(v for step in self.steps for v in step.state()))
 
-    def build(self, k, args, deps, carry=None):
-        """Inner step ``k``: every phase after ``deps``, in order (see the module)."""
-        if callable(args):
-            with tf.control_dependencies(deps), tf.name_scope("inputs"):
-                args = args()  # once: every phase takes the step's batch
+    def build(self, args, carry=None):
+        """The step: every phase, in order (see the module)."""
+        del carry  # (refused with phases)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
-        outputs, ends, after, phase_outputs = {}, [], list(deps), []
+        outputs, ends, after, phase_outputs = {}, [], [], []
         for step, name in zip(self.steps, self.names):
-            with tf.name_scope(name):
-                out, end = step.build(k, args, deps=after)
+            with tf.name_scope(name), tf.control_dependencies(after):
+                out, end = step.build(args)
             phase_outputs.append(out)
             outputs[f"loss/{name}"] = out["loss"]
             ends.append(end)

@@ -1,11 +1,12 @@
-"""One inner step: forward, gradients, transform, checks, side effects, apply.
+"""The single step: forward, gradients, transform, checks, side effects, apply.
 
-Step k of an N-step run, built inside ``tf.control_dependencies`` on the end of
-step k-1, in this order (each a name scope under ``multistep/step_k``):
+``ms.unroll`` builds the canonical single step once, under ``multistep/step/``, and the
+compiler (``multistep.compile``) runs it N times. In this order (each a name scope):
 
-    inputs       step k's slice of the inputs, or the next element of an iterator
-    forward      loss_k = loss_fn(*inputs[k]), and its update ops
-    gradients    d loss_k / d var_list (after the update ops, as a single step's
+    inputs       the step's batch: placeholders the compiler feeds slice k at step k,
+                 or the next element of an iterator
+    forward      loss = loss_fn(*inputs), and its update ops
+    gradients    d loss / d var_list (after the update ops, as a single step's
                  ``control_dependencies(UPDATE_OPS)`` orders them)
     transform    the gradient transforms
     record       per-step quantities
@@ -13,13 +14,12 @@ step k-1, in this order (each a name scope under ``multistep/step_k``):
     apply        optimizer.apply_gradients
     after_apply  the user's per-step ops, after the apply
 
-Step 1 also creates the variables (the model's, the optimizer's slots, the
-after_apply's), with the names a single-step graph gives them.
+It also creates the variables (the model's, the optimizer's slots, the after_apply's),
+with the names a single-step graph gives them.
 """
 
 import contextlib
 import dataclasses
-import traceback
 import warnings
 
 import tensorflow as tf
@@ -31,10 +31,13 @@ from multistep import lint, scopes, transforms
 __all__ = ["CreationGuard", "Step", "check_capturable", "ensure_variable_stores",
            "in_replica_context", "learning_rate_of"]
 
+# What a non-finite check says; Unrolled.run names the step (the copy its op is in).
+NONFINITE_STEP = "an inner step"
+
 
 @dataclasses.dataclass
 class Step:
-    """Builds one inner step: forward, update ops, gradients, transform, checks, apply,
+    """Builds the single step: forward, update ops, gradients, transform, checks, apply,
     after_apply, in that order."""
 
     loss_fn: object
@@ -49,100 +52,67 @@ class Step:
     after_apply: object = None
     label: str = "multistep"
     skipped: object = None
-    halted: object = None  # xla=True with nonfinite="raise": int32 [2] variable (_halt_unless_finite)
+    halted: object = None  # xla=True with nonfinite="raise": int32 [3] variable (_halt_unless_finite)
+    xla: bool = False  # built to run in an XLA program (the apply in a cond, a halt flag)
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
-    names: object = None  # the name counters as step 1 found them
-    tape_may_serve: bool = True  # False: this model's steps need no tape, or a tape would not do
-    rebuild: bool = False  # step 1 was traced before (mode="auto"): its variables exist
-    forward_scope: str = None  # step 1's forward name scope ("multistep/step_1/forward/")
-    collections: object = None  # scopes.Collections: the graph's collections before step 1
-    before_apply: list = None  # the last build's loss, outputs and gradients
-    apply_scope: str = None  # the last build's apply name scope
-    summarized: bool = False  # step 1's loss_fn built tf.summary ops (outputs["summary"])
-    initial_carry: object = None  # carry=: the nest step 1 is given
-    next_carry: object = None  # what the last build's loss_fn carried out
-    carry_ops: set = dataclasses.field(default_factory=set)  # the last build's carry inputs
+    rebuild: bool = False  # traced before (mode="auto"): its variables exist
+    before_apply: list = None  # the loss, outputs and gradients
+    apply_scope: str = None  # the apply name scope
+    summarized: bool = False  # loss_fn built tf.summary ops (outputs["summary"])
+    initial_carry: object = None  # carry=: the nest the first step is given
+    next_carry: object = None  # what loss_fn carried out
 
     @property
     def carries(self):
         return self.initial_carry is not None
 
-    def build(self, k, args, deps, carry=None):
-        """Step ``k`` (1-based; a loop body passes a tensor) after ``deps``; ``carry``:
-        the state the previous step's ``loss_fn`` carried out (None: the initial carry).
-
-        Returns ({"loss": ..., and each recorded quantity: float32 scalars}, the op
-        that ends the step: its apply, or the end of its ``after_apply``); what this
-        step carries out is ``self.next_carry``.
-        """
-        self.guard.step = step = k if isinstance(k, int) else "2..N (the loop body)"
+    def build(self, args, carry=None):
+        """The step, reading ``args`` (and ``carry``, the state the step before carried
+        out: placeholders the compiler links). Returns ({"loss": ..., each recorded
+        quantity, "summary": float32 and string scalars}, the op that ends the step: its
+        apply, or the end of its ``after_apply``); what it carries out is ``next_carry``."""
         graph = tf.compat.v1.get_default_graph()
         scope = graph.get_name_scope() + "/"
         first_op, created = len(graph.get_operations()), len(self.guard.created)
-        first = isinstance(k, int) and k == 1  # a loop body passes k as a tensor: steps 2..N
-        local = not first and not self.gradient_options and _local_gradients_apply(self.optimizer, self.var_list)
-        tape = (tf.GradientTape(watch_accessed_variables=False)
-                if local and self.tape_may_serve else None)
-        with tf.control_dependencies(deps):
-            if first:
-                self.names = scopes.NameCounters.read()
-                self.collections = scopes.Collections.read(graph)
-            if callable(args):
-                with self.guard.scope("inputs"):  # slicing is not the step's arithmetic
-                    args = args()
-            with (self.guard.scope("forward") as forward_scope,
-                  scopes.reuse_variables(not first or self.rebuild),
-                  contextlib.nullcontext() if first else self.names.restored(),
-                  scopes.scopes_moved(graph, None if first else self.forward_scope, forward_scope),
-                  self.collections.per_step(graph, first, self.label, step) as added,
-                  tape or contextlib.nullcontext()):
-                if first:
-                    self.forward_scope = forward_scope
-                if tape is not None:
-                    tape.watch(self.var_list)
-                with scopes.variables_named_per_step(first, step):
-                    if self.carries:
-                        loss = self._carrying(args, self.initial_carry if carry is None else carry,
-                                              step)
-                    else:
-                        loss = _call_loss_fn(self.loss_fn, args, step)
-            collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
-            _step_updates(graph).update(collected)
-            initializers = _initializers(self.guard.created[created:])
-            created = len(self.guard.created)
-            forward = graph.get_operations()[first_op:]
-            run_first = self._update_ops(collected, forward, initializers)
-            summaries = added.get(tf.compat.v1.GraphKeys.SUMMARIES, [])
-            if first:
-                self.summarized = bool(summaries)
-            scopes.retag(summaries, forward_scope)
-            extra = {"summary": _merged(summaries)} if summaries else {}
-            with tf.control_dependencies(run_first):
-                outputs, apply_op = self._descend(k, loss, local, tape, forward, extra)
-        conditional = self.nonfinite == "skip" or self.guard.lift  # after_apply in the cond
-        end = _every_replica(apply_op if conditional else self._after(apply_op))
+        keys = scopes.op_collections_of(graph)
+        start = {key: len(graph.get_collection(key)) for key in keys}
+        with (self.guard.scope("forward") as forward_scope,
+              scopes.reuse_variables(self.rebuild)):
+            if self.carries:
+                loss = self._carrying(args, carry)
+            else:
+                loss = _call_loss_fn(self.loss_fn, args)
+        added = {key: graph.get_collection(key)[start.get(key, 0):]
+                 for key in scopes.op_collections_of(graph)}
+        collected = [_as_op(u) for u in added.get(tf.compat.v1.GraphKeys.UPDATE_OPS, [])]
+        _step_updates(graph).update(collected)
+        initializers = _initializers(self.guard.created[created:])
+        created = len(self.guard.created)
+        forward = graph.get_operations()[first_op:]
+        run_first = self._update_ops(collected, forward, initializers)
+        summaries = added.get(tf.compat.v1.GraphKeys.SUMMARIES, [])
+        self.summarized = bool(summaries)
+        scopes.retag(summaries, forward_scope)
+        extra = {"summary": _merged(summaries)} if summaries else {}
+        with tf.control_dependencies(run_first):
+            outputs, apply_op = self._descend(loss, forward, extra)
+        end = apply_op if self.nonfinite == "skip" or self.xla else self._after(apply_op)
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
         _refuse_gradients_reading_updates(ops, run_first, self.label)
-        ops += _snapshot_ref_reads(ops, deps)  # (the graph's op list is copied once a step)
-        _order_calls(ops, deps)
         self.written.update(lint.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
-        lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=step)
-        if all(v.op.type == "VarHandleOp" for v in self.state()) and all(
-                op.type == "VarHandleOp" for op in self.written):
-            _free_constants(ops)  # resource variables only: see there
+        lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=1)
         return outputs, end
 
-    def _carrying(self, args, carry, step):
+    def _carrying(self, args, carry):
         """``loss_fn(*args, carry) -> (loss, next carry)``; returns the loss and keeps the
         next carry. The carry comes in through ``StopGradient``: the value a single step
-        is fed (its initial state placeholder), not a path back into earlier steps; and
-        the stale-forward check takes it as data (``carry_ops``), as a feed is."""
+        is fed (its initial state placeholder), not a path back into earlier steps."""
+        step = 1
         carry_in = tf.nest.map_structure(lambda t: tf.stop_gradient(t, name="carry"), carry)
-        self.carry_ops = {t.op for t in tf.nest.flatten(carry_in)}
         returned = self.loss_fn(*args, carry_in)
         if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
             raise TypeError(f"with carry=, loss_fn(*inputs, carry) must return (loss, next "
@@ -171,14 +141,14 @@ class Step:
         self.next_carry = tf.nest.pack_sequence_as(carry, [
             checked(i, before, after) for i, (before, after) in enumerate(
                 zip(tf.nest.flatten(carry), tf.nest.flatten(next_carry)))])
-        return _call_loss_fn(lambda *_: loss, (), step)
+        return _call_loss_fn(lambda *_: loss, ())
 
-    def _descend(self, k, loss, local, tape, forward, extra=None):
-        """Gradients (from ``tape`` where there is one), transforms, records, checks and
-        the apply of step ``k``'s ``loss``: (outputs, the apply op). ``extra``: more
-        outputs (the step's summaries), computed before the apply as the loss is."""
+    def _descend(self, loss, forward, extra=None):
+        """Gradients, transforms, records, checks and the apply of ``loss``: (outputs, the
+        apply op). ``extra``: more outputs (the step's summaries), computed before the
+        apply as the loss is."""
         with self.guard.scope("gradients"):
-            grads_and_vars = self._gradients(k, loss, local, tape, forward)
+            grads_and_vars = self._gradients(loss, forward)
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
@@ -187,16 +157,16 @@ class Step:
         if self.record:
             with self.guard.scope("record"):
                 outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-        if self.nonfinite == "raise" and self.halted is None and not self.guard.lift:
+        if self.nonfinite == "raise" and self.halted is None and not self.xla:
             with self.guard.scope("check"):
-                loss, grads_and_vars = self._checked(k, loss, grads_and_vars)
+                loss, grads_and_vars = self._checked(loss, grads_and_vars)
         elif self.nonfinite == "raise" and self.halted is not None:  # compiled: halt, raise after
             with self.guard.scope("check"):
-                finite, otherwise = self._halt_unless_finite(k, loss, grads_and_vars)
+                finite, otherwise = self._halt_unless_finite(loss, grads_and_vars)
         elif self.nonfinite == "skip":
             with self.guard.scope("check"):
                 finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
-        elif self.guard.lift:  # compiled (XLA), nonfinite="ignore" (or mode="auto"'s trial)
+        elif self.xla:  # compiled (XLA), nonfinite="ignore" (or mode="auto"'s trial)
             finite, otherwise = _opaque_true(), tf.no_op
         # What a phase run beside this one (phases="simultaneous") orders its apply after.
         self.before_apply = [loss, *outputs.values()] + [
@@ -204,38 +174,27 @@ class Step:
             if g is not None]
         with (self.guard.scope("apply") as self.apply_scope,
               tf.control_dependencies([loss, *outputs.values()])):
-            if self.nonfinite == "skip" or self.guard.lift:
+            if self.nonfinite == "skip" or self.xla:
                 return outputs, self._apply_if(finite, grads_and_vars, otherwise)
-            with self._slots_scope(k):
+            with self._slots_scope():
                 return outputs, _apply_op(self.optimizer.apply_gradients(
                     grads_and_vars, global_step=self.global_step))
 
-    def _slots_scope(self, k):
-        """Where step ``k``'s apply runs. In the replica context of a ``tf.distribute``
+    def _slots_scope(self):
+        """Where the apply runs. In the replica context of a ``tf.distribute``
         strategy, step 1's ``merge_call`` creates the optimizer's variables (slots,
         Adam's ``beta1_power``) in cross-replica context, outside this step's variable
         creator, named under the first replica's name scope: there step 1's apply runs
         in the scope ``ms.unroll`` was called in, so they get a single step's names (its
         update ops then sit beside ``step_1``, not in it). Elsewhere: the current scope."""
-        if not (isinstance(k, int) and k == 1 and in_replica_context()):
+        if not in_replica_context():
             return contextlib.nullcontext()
         return self.guard.graph.name_scope(self.guard.base + "/" if self.guard.base else "")
 
-    def _gradients(self, k, loss, local, tape, forward):
-        """``compute_gradients``' result for step ``k``.
-
-        Step 1 calls ``compute_gradients``. From a variable, ``tf.gradients`` walks
-        every op that reads it, which in an unrolled graph is every earlier step
-        (an O(N^2) build), so where the result is the same (``local``) steps 2..N
-        differentiate from this step's own reads (``_gradients_through_reads``:
-        the terms get the names a single step gives them, so Grappler orders
-        their sums alike, and they sit under ``step_k/gradients``), or, for a
-        variable used other than by plain reads (a gather), with ``tape`` where
-        no sum of its could be reordered (``_reorderable_sums``).
-        """
-        graph = tf.compat.v1.get_default_graph()
-        grads_and_vars = None
-        if callable(self.var_list):  # a phase's: the variables its first loss_fn call made
+    def _gradients(self, loss, forward):
+        """``compute_gradients``' result (``minimize``'s options as given)."""
+        del forward
+        if callable(self.var_list):  # a phase's: the variables its loss_fn call made
             returned = self.var_list()
             found = (tuple(returned) if isinstance(returned, (list, tuple)) else returned)
             if (not isinstance(found, tuple) or not found
@@ -243,34 +202,13 @@ class Step:
                 raise TypeError(f"a phase's var_list() must return a non-empty list of "
                                 f"variables, got {returned!r}.")
             self.var_list = found
-        if isinstance(k, int) and k == 1 and any(
-                op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW for op in forward):
-            # A cond or call: a tape would name its gradient otherwise (or, over v1 control
-            # flow, not take it at all); tf.gradients names it as a single step does.
-            self.tape_may_serve = False
-        if local:
-            grads_and_vars = _gradients_through_reads(loss, self.var_list, forward)
-            if grads_and_vars is not None:
-                self.tape_may_serve = False  # the reads serve: later steps record no tape
-            elif tape is not None:
-                start = len(graph.get_operations())
-                grads_and_vars = list(zip(tape.gradient(loss, list(self.var_list)), self.var_list))
-                if _reorderable_sums(graph.get_operations()[start:]):
-                    self.tape_may_serve = False  # its sums would sort otherwise
-                    grads_and_vars = None
-        if grads_and_vars is None or any(g is None for g, _ in grads_and_vars):
-            # Step 1; or a variable read outside this step (stale): tf.gradients follows
-            # that read, so the stale-forward check can name it.
-            start = len(graph.get_operations())
-            grads_and_vars = self.optimizer.compute_gradients(
-                loss, var_list=list(self.var_list) if self.var_list else None,
-                **self.gradient_options)
-            if isinstance(k, int) and k == 1 and _reorderable_sums(graph.get_operations()[start:]):
-                self.tape_may_serve = False
+        grads_and_vars = self.optimizer.compute_gradients(
+            loss, var_list=list(self.var_list) if self.var_list else None,
+            **self.gradient_options)
         if self.var_list is None:
             grads_and_vars = _trained_pairs(grads_and_vars)
             self.var_list = tuple(v for _, v in grads_and_vars)
-        _check_gradients(grads_and_vars, self.guard.step)
+        _check_gradients(grads_and_vars)
         return grads_and_vars
 
     def _update_ops(self, collected, forward, initializers):
@@ -298,11 +236,11 @@ class Step:
         if self.after_apply is None:
             return apply_op
         with self.guard.scope("after_apply"), tf.control_dependencies([apply_op]):
-            ops = _after_apply_ops(self.after_apply(), self.guard.step)
+            ops = _after_apply_ops(self.after_apply())
             with tf.control_dependencies([apply_op, *ops]):
                 return tf.no_op(name="done")
 
-    def _checked(self, k, loss, grads_and_vars):
+    def _checked(self, loss, grads_and_vars):
         """The loss and gradients through CheckNumerics: a non-finite value stops the run
         before this step's apply, with a message naming the step and the variable.
 
@@ -310,11 +248,10 @@ class Step:
         the loss, so that when several values are non-finite the same one is reported
         every time (unordered, whichever check ran first raised: a race).
         """
-        step = f"inner step {k}" if isinstance(k, int) else "an inner step in 2..N (the loop body)"
         previous = []
 
         def check(x, what):
-            message = (f"{self.label}: {step} has a non-finite {what}; that step was not "
+            message = (f"{self.label}: {NONFINITE_STEP} has a non-finite {what}; that step was not "
                        f"applied, the steps before it were (nonfinite='skip' skips such steps)")
             values = x.values if isinstance(x, tf.IndexedSlices) else x
             # One scalar a tensor: x * 0 is 0 where x is finite, NaN where it is Inf or NaN,
@@ -334,22 +271,23 @@ class Step:
                           for g, v in grads_and_vars]
         return check(loss, "loss"), grads_and_vars
 
-    def _halt_unless_finite(self, k, loss, grads_and_vars):
+    def _halt_unless_finite(self, loss, grads_and_vars):
         """XLA does not raise from CheckNumerics (it compiles to nothing), so in a compiled
         program ``nonfinite="raise"`` halts instead: the first step with a non-finite
         value, and every step after it, applies nothing (unrolled, their forward passes
         and update ops still run; a loop stops), and ``halted`` keeps
-        ``[that step, 1 + the index of the value]`` (gradients in ``var_list`` order, then
-        the loss, as ``_checked`` orders its checks) for the check after the program
-        (``raise_if_halted``). Returns (whether to apply, what to do instead)."""
+        ``[that step, 1 + the index of the value, steps so far]`` (gradients in
+        ``var_list`` order, then the loss, as ``_checked`` orders its checks) for the check
+        after the program (``raise_if_halted``); the program starts it at zeros, and each
+        step counts itself in. Returns (whether to apply, what to do instead)."""
         values = [g for g, _ in grads_and_vars] + [loss]
         flags = tf.stack([_all_finite([v]) for v in values])
-        at = self.halted.read_value()
+        at = self.halted.assign_add([0, 0, 1])  # this step's number, in the program's run
         running = tf.equal(at[0], 0)
 
         def halt():
             which = tf.reduce_min(tf.where(flags, len(values), tf.range(len(values))))
-            now = tf.stack([tf.cast(k, tf.int32), which + 1])
+            now = tf.stack([at[2], which + 1, at[2]])
             return self.halted.assign(tf.where(running, now, at), read_value=False)
 
         return tf.logical_and(running, tf.reduce_all(flags)), halt
@@ -357,7 +295,7 @@ class Step:
     def _skip(self):
         """A skipped step (``nonfinite="skip"``): advance the global step, count the skip."""
         count = self.skipped
-        if self.guard.lift:  # XLA takes initialised variables only (as `halted`)
+        if self.xla:  # XLA takes initialised variables only (as `halted`)
             updates = [count.assign_add(1)]
         else:  # a local variable: the first skip of a session that did not initialise it
             updates = [tf.cond(count.is_initialized(),
@@ -372,7 +310,7 @@ class Step:
         check_capturable([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []),
             "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True",
-            compiled=self.guard.lift)
+            compiled=self.xla)
 
         def apply():  # a skipped step runs no after_apply: only this branch has one
             with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
@@ -432,56 +370,6 @@ def _merged(summaries):
     return tf.compat.v1.summary.merge(summaries, name="summaries")
 
 
-def _snapshot_ref_reads(ops, deps):
-    """Give this step's reads of ref variables their own snapshot, ordered after ``deps``.
-
-    A ref variable ``w`` is read through the one ``w/read`` snapshot made with it, an
-    ``Identity`` that aliases its buffer: the real read happens when a consumer runs.
-    Built inside ``tf.control_dependencies(deps)``, a consumer whose inputs were all made
-    outside the step (``x @ w/read``) takes ``deps`` as control inputs itself, where a
-    single step's has none, and Grappler's remapper fuses no op with a control input:
-    a single step's ``MatMul + Add + Tanh`` ran as one ``_MklNativeFusedMatMul``, step
-    k's as three kernels, which round differently. Here each such consumer reads a
-    snapshot of this step instead (``Identity`` of the variable, colocated with it,
-    carrying the ``deps`` control inputs, as a resource variable's ``ReadVariableOp``
-    carries them), and drops those control inputs: the consumer still runs after
-    ``deps``, through its input, and reaches Grappler in a single step's shape. Returns
-    the snapshot ops it made.
-
-    Not a cast (``tf.cast(global_step, tf.float32)``): Grappler's arithmetic optimizer
-    moves a cast ahead of a value-preserving op (``Cast(Identity(x))`` becomes
-    ``Identity(Cast(x))``), so a cast of the snapshot would read the variable itself, its
-    order left on the snapshot: step 2 read the global step from before step 1's apply
-    (a loss scaled by the step, 1e-2 off). A cast keeps its own control inputs."""
-    deps = {_as_op(d) for d in deps}
-    snapshots = {}
-    if not deps:
-        return []
-    graph = tf.compat.v1.get_default_graph()
-    for op in ops:
-        ordering = [c for c in op.control_inputs if c in deps]
-        if (not ordering or lint.is_write(op) or op.type in lint.ALIAS_OPS
-                or op.type in _CAST_LIKE):
-            continue
-        rewired = False
-        for index, tensor in enumerate(op.inputs):
-            variable = lint.ref_variable_of(tensor)
-            if variable is None:
-                continue
-            rewired = True
-            key = (variable, tuple(ordering))
-            if key not in snapshots:
-                with (graph.control_dependencies(ordering), graph.colocate_with(variable),
-                      graph.name_scope(None), graph.name_scope(op.name.rsplit("/", 1)[0] + "/")):
-                    snapshots[key] = tf.identity(variable.outputs[0], name=f"{variable.name}/read")
-            op._update_input(index, snapshots[key])  # (no public way to rewire an input)
-        if rewired:
-            keep = [c for c in op.control_inputs if c not in deps]
-            op._remove_all_control_inputs()
-            op._add_control_inputs(keep)
-    return [snapshot.op for snapshot in snapshots.values()]
-
-
 def _refuse_gradients_reading_updates(ops, updates, label):
     """Raise ValueError if an update op (``UPDATE_OPS``, run after the forward pass and
     before the gradients) writes a ref variable that one of the step's gradient ops
@@ -512,29 +400,6 @@ def _refuse_gradients_reading_updates(ops, updates, label):
                     f"a resource variable (use_resource=True), whose reads are snapshots.")
 
 
-def _order_calls(ops, deps):
-    """Give each functional control-flow op or function call of this step (``tf.cond``'s
-    ``If``, ``tf.case``, a v2 ``tf.while_loop``, a ``tf.function`` call) ``deps`` as control
-    inputs, where ``tf.control_dependencies`` gave it none.
-
-    ``tf.control_dependencies`` skips an op that has an input built in its block (the
-    input carries the order). A functional op is lowered before it runs (Switch/Merge, an
-    inlined body), and then each op inside waits only for the inputs it uses itself: a read
-    of a captured variable inside a cond on a ``training`` placeholder waited for the
-    placeholder alone and ran at the start of the run, before the previous step's apply
-    (batch norm's moving variance 1e-3 off after 8 steps, a race). A control input of the
-    op orders everything inside it (``lint.check_step`` checks it so)."""
-    deps = [_as_op(d) for d in deps]
-    for op in ops:
-        if op.type in lint.CALL_OPS:
-            missing = [d for d in deps if d not in op.control_inputs]
-            if missing:
-                op._add_control_inputs(missing)  # (no public way to add one after the fact)
-
-
-_CAST_LIKE = frozenset({"Cast", "Bitcast"})  # what Grappler reorders around an Identity
-
-
 def _opaque_true():
     """True, as XLA cannot see it: the predicate of the cond that holds a compiled step's
     apply when nothing is checked (``nonfinite="ignore"``).
@@ -548,28 +413,6 @@ def _opaque_true():
     predicate passes an optimization barrier so that XLA cannot fold the cond away."""
     [true] = gen_xla_ops.xla_optimization_barrier([tf.constant(True)], name="opaque_true")
     return true
-
-
-def _free_constants(ops):
-    """Move the control inputs that ``tf.control_dependencies`` gave this step's constants
-    (the learning rate and betas the optimizer makes per apply, a loss's literals, static
-    shapes) onto the ops that use them. A constant reads and writes nothing; without them the
-    executor no longer runs each step's copies one by one: Grappler merges equal constants
-    across steps (common-subgraph elimination) and folds them into the graph. Constants in
-    a v1 control-flow context keep theirs: it places them in the loop's or cond's frame.
-
-    Only for steps on resource variables, whose every read is its own ReadVariableOp,
-    ordered by its own control inputs. A ref variable is read by the op that consumes it
-    (through the one ``w/read`` alias), so its order may rest on a constant's control
-    input; moved onto the consumer, Grappler no longer kept the order alike in both
-    graphs (a bias 7.5e-9 off after two steps, test_unroll's ref cases)."""
-    for op in ops:
-        if op.type == "Const" and op.control_inputs and op._control_flow_context is None:
-            # Its consumers take its control inputs over: tf.control_dependencies gives
-            # none to an op whose input already has them, so they may order a consumer.
-            for consumer in op.outputs[0].consumers():
-                consumer._add_control_inputs(op.control_inputs)
-            op._remove_all_control_inputs()  # (no public way to drop them)
 
 
 def _as_op(value):
@@ -604,21 +447,6 @@ def _other_replicas_ops(ops, scope):
     return {op for op in ops if not op.name.startswith(scope)} | _initializers(created)
 
 
-def _every_replica(end):
-    """In the replica context of a ``tf.distribute`` strategy, one op after every replica's
-    ``end`` (the same op in every replica), through a ``merge_call``: the next step of
-    each replica then starts after this step of all of them, as the next ``sess.run`` of
-    single distributed steps does (their all-reduce reads every replica's writes).
-    Outside a replica context: ``end``."""
-    if not in_replica_context():
-        return end
-
-    def merge(strategy, ends):
-        return tf.group(*strategy.experimental_local_results(ends), name="every_replica")
-
-    return tf.distribute.get_replica_context().merge_call(merge, args=(end,))
-
-
 def _apply_op(applied):
     """The op of what ``apply_gradients`` returned. In the replica context of a
     ``tf.distribute`` strategy that is this replica's value of its ``merge_call``
@@ -636,102 +464,15 @@ def _initializers(variables):
     return lint.ancestors(roots)
 
 
-def _after_apply_ops(returned, step):
+def _after_apply_ops(returned):
     """What ``after_apply`` returned, as a list of ops and tensors."""
     flat = [] if returned is None else tf.nest.flatten(returned)
     for value in flat:
         if not isinstance(value, (tf.Operation, tf.Tensor, tf.Variable)):
             raise TypeError(
-                f"after_apply must return an op, a tensor, a list of them or None; at inner "
-                f"step {step} it returned {type(value).__name__} ({value!r}).")
+                f"after_apply must return an op, a tensor, a list of them or None; it "
+                f"returned {type(value).__name__} ({value!r}).")
     return [v.op if isinstance(v, tf.Variable) else v for v in flat]
-
-
-_SUMS = ("AddN", "Add", "AddV2")
-_V1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter"})
-
-
-def _reorderable_sums(ops):
-    """Whether ``ops`` (one gradient computation) sum three or more terms.
-
-    Grappler's common-subgraph elimination (run only when the arithmetic
-    optimizer is on) sorts the inputs of every commutative op by name, and the
-    arithmetic optimizer's AddOpsRewrite flattens Add/AddN trees into one AddN,
-    sorted so on the next pass. Two terms add up the same either way round;
-    three or more do not, and tf.gradients (``.../<op>_grad/...``) and a
-    GradientTape (``gradient_tape/<op's scope>/...``) name the same terms so
-    that they sort differently.
-    """
-    sums = [op for op in ops if op.type in _SUMS]
-    made = set(sums)
-    return any((op.type == "AddN" and len(op.inputs) > 2)
-               or any(t.op in made for t in op.inputs) for op in sums)
-
-
-def _gradients_through_reads(loss, var_list, forward):
-    """``compute_gradients``' result for this step, differentiated from this step's
-    ReadVariableOps instead of from the variables.
-
-    From a variable, tf.gradients walks every step that reads it (O(N^2) to
-    build); from this step's reads it walks this step. Each read's gradient is
-    the tensor tf.gradients would sum at the variable, named alike under this
-    step's scope, so Grappler orders the sum as in step 1. None (use
-    compute_gradients) when a variable is used here other than through
-    ReadVariableOp (ResourceGather, ...) or not at all, or a term is sparse.
-    """
-    if any(v.op.type != "VarHandleOp" for v in var_list):
-        return None
-    handles = _handles_here(var_list)
-    if any(h is None for h in handles):
-        return None
-    # A v1 loop body (disable_v2_behavior) takes a handle through its Enter: the op a
-    # use's handle comes from, through such aliases, is the variable's.
-    uses = {h.op: [] for h in handles}
-    for op in forward:
-        if op.type in lint.ALIAS_OPS:
-            continue
-        for t in op.inputs:
-            source = lint.source_op(t) if t.dtype == tf.resource else None
-            if source in uses:
-                uses[source].append(op)
-    reads = [op for h in handles for op in uses[h.op]]
-    if not all(uses.values()) or any(op.type != "ReadVariableOp" for op in reads):
-        return None
-    graph = tf.compat.v1.get_default_graph()
-    # The scope tf.gradients makes ("gradients", numbered): the sums below go there, named
-    # as tf.gradients names the sums it makes at a variable (``gradients/AddN``).
-    scope = graph.unique_name("gradients", mark_as_used=False) + "/"
-    grads = dict(zip(reads, tf.compat.v1.gradients(
-        loss, [op.outputs[0] for op in reads], gate_gradients=True)))
-    out = []
-    for v, h in zip(var_list, handles):
-        terms = [grads[op] for op in uses[h.op] if grads[op] is not None]
-        if any(not isinstance(t, tf.Tensor) for t in terms):
-            return None
-        # tf.gradients sums at the variable in the order the backward pass
-        # completed the reads' gradients (matters only with Grappler off).
-        terms.sort(key=lambda t: t.op._id)
-        if len(terms) > 1:
-            with graph.name_scope(scope):
-                terms = [tf.math.add_n(terms)]
-        out.append((terms[0] if terms else None, v))
-    return out
-
-
-def _handles_here(var_list):
-    """Each variable's handle as the current graph sees it: in a loop body or a compiled
-    program, the placeholder that captures it (None where it is not captured)."""
-    graph = tf.compat.v1.get_default_graph()
-    captured = {outer.ref(): inner for outer, inner in getattr(graph, "captures", ())}
-    return [v.handle if v.handle.graph is graph else captured.get(v.handle.ref()) for v in var_list]
-
-
-def _local_gradients_apply(optimizer, var_list):
-    """Whether steps 2..N may take their gradients from their own ops instead of
-    ``compute_gradients``: the optimizer does not override it (loss scaling does), and
-    the variables are resource variables (a ref variable's reads alias it)."""
-    stock = type(optimizer).compute_gradients is tf.compat.v1.train.Optimizer.compute_gradients
-    return stock and all(v.op.type == "VarHandleOp" for v in var_list)
 
 
 def _records(record, optimizer, grads_and_vars):
@@ -814,23 +555,24 @@ def check_capturable(variables, what, *, compiled):
 # in it, so step 1's slots (Adam's beta1_power) would be named "if_finite/beta1_power": the
 # creation guard strips it, as it strips the step's own scopes.
 _IF_FINITE = "if_finite"
+_V1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter"})
 
 
 class CreationGuard:
-    """Variable creator: names variables as a single-step graph would, once.
+    """Variable creator: names variables as a single-step graph would.
 
-    Variables made during step 1 (by the model, Keras layers or the optimizer)
-    are created with the step's name scope stripped, so they get exactly the
-    names of a single-step graph of the same model. Making a variable in a
-    later step is an error: every step must share one set of weights and slots.
+    Variables made in the step (by the model, Keras layers or the optimizer) are
+    created with the step's name scope stripped, so they get exactly the names of a
+    single-step graph of the same model; ``lift``: the step is traced in a compiled
+    program (``mode="auto"``'s trial), and they are made in the graph.
     """
 
     def __init__(self, graph):
         self.graph = graph
         self.base = graph.get_name_scope()
-        self.step = 1
         self.created = []  # every variable made under this guard, in order
-        self.lift = False  # True: step 1 is built in a compiled program (xla=True)
+        self.lift = False  # True: the step is traced in a compiled program (mode="auto")
+        self.step_prefix = None  # the step's name scope ("multistep/step/")
         self._prefix = None
 
     @contextlib.contextmanager
@@ -853,16 +595,10 @@ class CreationGuard:
                 f"what a run returns (e.g. tf.compat.v1.metrics.mean(unrolled.losses), its "
                 f"update op run with the train op), or accumulate in a variable made before "
                 f"ms.unroll, through UPDATE_OPS inside loss_fn (total.assign_add(...)).")
-        if self.step != 1:
-            who = "after_apply" if (self._prefix or "").endswith("/after_apply/") else "loss_fn"
-            if scopes.made_by_ema(traceback.extract_stack()):
-                raise ValueError(f"{who} created variable {name!r} at inner step "
-                                 f"{self.step}: {scopes.EMA_FIX}")
-            raise ValueError(
-                f"{who} created variable {name!r} at inner step "
-                f"{self.step}; variables must be created on the first call and "
-                f"reused after (create Keras layers outside loss_fn, use "
-                f"tf.compat.v1.get_variable, or create the variables before ms.unroll).")
+        if name and self.step_prefix and name.startswith(self.step_prefix):
+            # Named after a tensor of the step (an EMA's shadow of the loss): after the
+            # tensor a single step would have, without the step's scopes.
+            kwargs["name"] = name.split("/", self.step_prefix.count("/") + 1)[-1]
         # A caching_device (dynamic_rnn sets one) makes the variable's value a read cached
         # once per sess.run: every step after the first would reuse it. Without one, each
         # step reads the variable itself; the value read is the same, so single steps match.
@@ -898,12 +634,11 @@ def ensure_variable_stores():
     variable_scope_lib.get_variable_scope_store()
 
 
-def _call_loss_fn(loss_fn, args, step):
+def _call_loss_fn(loss_fn, args):
     loss = loss_fn(*args)
     if not isinstance(loss, tf.Tensor):
         raise TypeError(
-            f"loss_fn must return a scalar float tensor, got {type(loss).__name__} "
-            f"at inner step {step}.")
+            f"loss_fn must return a scalar float tensor, got {type(loss).__name__}.")
     if not loss.dtype.is_floating:
         raise TypeError(f"loss_fn must return a float loss, got dtype {loss.dtype.name} ({loss.name!r}).")
     if loss.shape.rank != 0:
@@ -920,10 +655,10 @@ def _trained_pairs(grads_and_vars):
     return pairs
 
 
-def _check_gradients(grads_and_vars, step):
+def _check_gradients(grads_and_vars):
     missing = [v.name for g, v in grads_and_vars if g is None]
     if missing:
         raise ValueError(
             f"var_list: no gradient path from the loss to {', '.join(map(repr, missing))} "
-            f"(inner step {step}); remove them from var_list or use them in loss_fn.")
+            f"; remove them from var_list or use them in loss_fn.")
 

@@ -89,9 +89,8 @@ def graph_summary(graph, name="multistep"):
     reads)`` with ``reads`` a dict variable -> reading ops; ``edges`` maps
     ``(from scope, to scope)`` to the number of control edges between them.
     """
-    # Steps 2..N take gradients with a GradientTape, which names its ops
-    # gradient_tape/<forward op scope>/...: count them with their step.
-    pattern = re.compile(rf"^(?:gradient_tape/)?{re.escape(name)}/(step_\d+|loop)/")
+    # (The single step the copies copy, ``name/step/``, runs in no run: not counted.)
+    pattern = re.compile(rf"^{re.escape(name)}/(step_\d+|loop)/")
     scope_of = {}
     for op in graph.get_operations():
         match = pattern.match(op.name)
@@ -132,8 +131,6 @@ def format_graph_summary(steps, edges):
 
 def _part(op_name):
     """forward, gradients, transform, record, apply (or body for a loop) of an op name."""
-    if op_name.startswith("gradient_tape/"):
-        return "gradients"
     parts = op_name.split("/")
     return parts[2] if len(parts) > 3 else "-"
 

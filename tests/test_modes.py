@@ -117,12 +117,24 @@ def test_loop_mode_refuses_a_stale_learning_rate_tensor():
                       global_step=gs)
 
 
-def test_variable_created_in_the_loop_body_is_refused():
-    with tf.Graph().as_default():
-        w = tf.Variable(1.0, name="w")
-        with pytest.raises(ValueError, match=r"created variable 'fresh' at inner step 2..N \(the loop body\)"):
-            ms.unroll(lambda: w * tf.Variable(2.0, name="fresh"), V1.train.GradientDescentOptimizer(0.1),
-                      3, mode="while_loop")
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_a_variable_loss_fn_creates_is_made_once_and_trained_by_every_step(mode):
+    """loss_fn builds the single step once: a variable it creates (here at every call) is
+    made once, and the steps train it as the program's own single steps do."""
+    values = {}
+    for fused in (True, False):
+        with tf.Graph().as_default(), V1.Session() as sess:
+            w = tf.Variable(1.0, name="w")
+            opt = V1.train.GradientDescentOptimizer(0.1)
+            loss_fn = lambda: w * tf.Variable(2.0, name="fresh")  # noqa: E731
+            train = (ms.unroll(loss_fn, opt, 3, mode=mode).train_op if fused
+                     else opt.minimize(loss_fn()))
+            assert [v.op.name for v in V1.global_variables()] == ["w", "fresh"]
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            for _ in range(1 if fused else 3):
+                sess.run(train)
+            values[fused] = sess.run(V1.global_variables())
+    assert np.array(values[True]).tobytes() == np.array(values[False]).tobytes()
 
 
 def test_bad_mode_and_xla():

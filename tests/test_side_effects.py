@@ -99,7 +99,8 @@ def test_update_ops_run_in_every_step(steps, mode, optimizer):
     assert_bitwise(got, want)
     assert not np.array_equal(got["bn/moving_mean"], np.zeros(2, np.float32))
     # The collection holds one step's update ops, as the single-step graph's does.
-    assert len(collection) == 2 and all("step_1/forward" in op.name for op in collection)
+    assert len(collection) == 2 and all(op.name.startswith("multistep/step/forward/")
+                                        for op in collection)  # the single step the copies copy
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -222,7 +223,7 @@ def test_a_dangling_op_is_located_in_the_users_code():
     line = loss_fn.__code__.co_firstlineno + 3
     with tf.Graph().as_default(), pytest.raises(ValueError) as info:
         ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
-    assert "'multistep/step_1/forward/AssignAddVariableOp'" in str(info.value)
+    assert "'multistep/step/forward/AssignAddVariableOp'" in str(info.value)  # the single step's
     assert f"at {__file__}:{line} (in loss_fn)" in str(info.value), str(info.value)
 
 
@@ -364,8 +365,8 @@ def test_terms_added_to_a_collection_are_each_steps_own(mode):
         xs, ys = V1.placeholder(tf.float32, [3, 8, 3]), V1.placeholder(tf.float32, [3, 8, 2])
         unrolled = ms.unroll(cifar_losses, OPTIMIZERS["Momentum"](), 3, inputs=(xs, ys),
                              global_step=gs, mode=mode)
-        assert [t.op.name for t in V1.get_collection("losses")] == [
-            "multistep/step_1/forward/weight_loss", "multistep/step_1/forward/data"]
+        assert [t.op.name for t in V1.get_collection("losses")] == [  # the single step's
+            "multistep/step/forward/weight_loss", "multistep/step/forward/data"]
         with V1.Session() as sess:
             sess.run(V1.global_variables_initializer())
             for r in range(2):
@@ -373,24 +374,42 @@ def test_terms_added_to_a_collection_are_each_steps_own(mode):
             assert_bitwise(values(), want)
 
 
-def test_a_term_made_once_in_a_collection_is_refused_naming_it():
-    """A layer's kernel_regularizer makes its penalty once, when step 1 creates the kernel
-    (into 'regularization_losses'); get_regularization_loss() in later steps would miss
-    it. Refused naming the collection and the fix (it used to be called a forward pass
-    'built outside loss_fn', which it was not)."""
-    built = []
+def fused_and_single(build, steps=3):
+    """``build(fused)`` makes the program in a new graph and returns its train op: an
+    ``ms.unroll``'s of ``steps`` steps, or the program's own single step. Returns the
+    global variables by name after one fused run, and after ``steps`` single runs."""
+    out = []
+    for fused in (True, False):
+        with tf.Graph().as_default(), V1.Session() as sess:
+            train = build(fused)
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            for _ in range(1 if fused else steps):
+                sess.run(train)
+            out.append(values())
+    return out
 
-    def loss_fn():
-        w = V1.get_variable("w", [3, 2])
-        if not built:  # as a tf.compat.v1.layers layer builds its kernel and penalty, once
-            built.append(w)
-            V1.add_to_collection(V1.GraphKeys.REGULARIZATION_LOSSES, 0.01 * tf.reduce_sum(tf.square(w)))
-        return tf.reduce_sum(tf.square(w)) + V1.losses.get_regularization_loss()
 
-    with tf.Graph().as_default(), pytest.raises(ValueError, match=(
-            r"added 1 item\(s\) to the graph collection 'regularization_losses'.*inner step 2's "
-            r"added 0.*kernel_regularizer")):
-        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
+def test_a_term_made_once_in_a_collection_is_each_steps_own():
+    """A layer's kernel_regularizer makes its penalty once, when it creates the kernel
+    (into 'regularization_losses'), and get_regularization_loss() reads it: the single
+    step holds it, so every step computes it from its own weights (it was refused when
+    each step called loss_fn again, and the later calls made no penalty)."""
+    def build(fused):
+        built = []
+
+        def loss_fn():
+            w = V1.get_variable("w", initializer=rng_init((3, 2)))
+            if not built:  # as a tf.compat.v1.layers layer builds its kernel and penalty, once
+                built.append(w)
+                V1.add_to_collection(V1.GraphKeys.REGULARIZATION_LOSSES,
+                                     0.01 * tf.reduce_sum(tf.square(w)))
+            return tf.reduce_sum(tf.square(w - 1.0)) + V1.losses.get_regularization_loss()
+
+        opt = V1.train.GradientDescentOptimizer(0.1)
+        return ms.unroll(loss_fn, opt, 3).train_op if fused else opt.minimize(loss_fn())
+
+    got, want = fused_and_single(build)
+    assert_bitwise(got, want)
 
 
 def test_a_stale_tensor_from_a_collection_is_named_with_it():
@@ -441,20 +460,30 @@ def test_tf_compat_v1_metrics_in_loss_fn_are_refused_once_with_a_fix_that_works(
 
 
 @pytest.mark.parametrize("ema_name", ["ExponentialMovingAverage", "avg"])
-def test_an_ema_of_a_tensor_in_after_apply_is_refused_naming_after_apply(ema_name):
-    """Any EMA's name (the CIFAR-10 tutorial's is "avg": its shadows' names do not say
-    ExponentialMovingAverage; issue 28)."""
-    last = []
-
-    def loss_fn():
+def test_an_ema_of_a_tensor_in_after_apply_moves_at_every_step(ema_name):
+    """An EMA of the loss after each apply (the CIFAR-10 tutorial's EMA is named "avg"):
+    its shadow is made once, with the single step, and every step moves it, bitwise with
+    the single step ``with control_dependencies([train]): ema.apply([loss])`` (it was
+    refused when each step called loss_fn again: the shadow's name followed the tensor)."""
+    def build(fused):
         w = V1.get_variable("w", initializer=1.0)
-        last[:] = [w * w]
-        return last[0]
+        ema = V1.train.ExponentialMovingAverage(0.9, name=ema_name)
+        opt = V1.train.GradientDescentOptimizer(0.1)
+        last = []
 
-    ema = tf.train.ExponentialMovingAverage(0.9, name=ema_name)
-    with tf.Graph().as_default(), pytest.raises(
-            ValueError, match=r"^after_apply created variable .*ExponentialMovingAverage.apply on a tensor"):
-        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, after_apply=lambda: ema.apply(last))
+        def loss_fn():
+            last[:] = [w * w]
+            return last[0]
+
+        if fused:
+            return ms.unroll(loss_fn, opt, 3, after_apply=lambda: ema.apply(last)).train_op
+        train = opt.minimize(loss_fn())
+        with tf.control_dependencies([train]):
+            return ema.apply(last)
+
+    got, want = fused_and_single(build)
+    assert_bitwise(got, want)
+    assert len(want) == 2  # w and the loss's shadow
 
 
 def test_an_after_apply_op_not_returned_is_refused_saying_return_it():
@@ -469,21 +498,26 @@ def test_an_after_apply_op_not_returned_is_refused_saying_return_it():
 
 
 @pytest.mark.parametrize("ema_name", ["ExponentialMovingAverage", "avg"])
-def test_an_ema_of_the_loss_in_loss_fn_is_refused_once_with_the_fix(ema_name):
-    """The CIFAR-10 tutorial's ema.apply([losses]) in the model: at step 2 the shadow's
-    name (after step 2's tensor) is new. It used to fail with TensorFlow's reuse error
-    ("Did you mean to set reuse=tf.AUTO_REUSE", which would make a shadow per step). The
-    tutorial names its EMA "avg" (issue 28: then the generic refusal came)."""
-    ema = V1.train.ExponentialMovingAverage(0.9, name=ema_name)
+def test_an_ema_of_the_loss_in_loss_fn_moves_at_every_step(ema_name):
+    """The CIFAR-10 tutorial's ema.apply([losses]) in the model, in UPDATE_OPS: bitwise
+    with the single step under control_dependencies(UPDATE_OPS) (it was refused when each
+    step called loss_fn again: at step 2 the shadow's name, after step 2's tensor, was new)."""
+    def build(fused):
+        ema = V1.train.ExponentialMovingAverage(0.9, name=ema_name)
 
-    def loss_fn():
-        w = V1.get_variable("w", initializer=1.0)
-        loss = w * w
-        V1.add_to_collection(UPDATE_OPS, ema.apply([loss]))
-        return loss
+        def loss_fn():
+            w = V1.get_variable("w", initializer=1.0)
+            loss = w * w
+            V1.add_to_collection(UPDATE_OPS, ema.apply([loss]))
+            return loss
 
-    with tf.Graph().as_default(), pytest.raises(ValueError) as info:
-        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3)
-    assert "AUTO_REUSE" not in str(info.value)
-    assert "inner step 2, which step 1 did not create" in str(info.value)
-    assert "avg.assign(0.9 * avg + 0.1 * loss)" in str(info.value)
+        opt = V1.train.GradientDescentOptimizer(0.1)
+        if fused:
+            return ms.unroll(loss_fn, opt, 3).train_op
+        loss = loss_fn()
+        with tf.control_dependencies(V1.get_collection(UPDATE_OPS)):
+            return opt.minimize(loss)
+
+    got, want = fused_and_single(build)
+    assert_bitwise(got, want)
+    assert len(want) == 2  # w and the loss's shadow
