@@ -26,16 +26,16 @@ def check_replica_context(optimizer, mode, xla, nonfinite):
             "SyncReplicasOptimizer wraps.")
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return
-    refused = {"mode='while_loop'": mode == "while_loop", "xla=True": xla,
-               "nonfinite='skip'": nonfinite == "skip"}
+    del mode  # (loop mode compiles the replicas' steps, all-reduce included, as one body)
+    refused = {"xla=True": xla, "nonfinite='skip'": nonfinite == "skip"}
     what = [option for option, given in refused.items() if given]
     if what:
         raise ValueError(
             f"ms.unroll in the replica context of {type(tf.distribute.get_strategy()).__name__}: "
-            f"{what[0]} would put each step's apply inside a tf.while_loop, tf.function or tf.cond body, "
-            f"and the apply all-reduces the gradients through the strategy's merge_call, which "
-            f"cannot run inside a control-flow body in replica context. Use mode='unrolled' "
-            f"(the default), xla=False and nonfinite='raise' or 'ignore' under a strategy.")
+            f"{what[0]} would put each step's apply inside a tf.function or tf.cond body, and "
+            f"the apply all-reduces the gradients through the strategy's merge_call, which "
+            f"cannot run inside a control-flow body in replica context. Use xla=False and "
+            f"nonfinite='raise' or 'ignore' under a strategy (mode='unrolled' or 'while_loop').")
 
 
 def check_record(record, optimizer):

@@ -479,6 +479,8 @@ def _template(copied, inputs, strip=None, label=""):
             if name.startswith(step_prefix):
                 if prefix.startswith(label + "/"):  # the step's own label, as in "label/step_k"
                     prefix = step_label + prefix[len(label):]
+                elif step_label != label:  # (a v2 loop body's prefix: "step")
+                    prefix = f"{prefix}/{step_label}"
                 return f"{prefix}/{name[len(step_prefix):]}"
         return f"{prefix}/_outside/{name}"
 

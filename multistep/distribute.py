@@ -52,8 +52,8 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
         values of all the replicas in sync (under MultiWorkerMirroredStrategy, every
         worker's: a collective, so every worker must run the same ops).
       **options: ``ms.unroll``'s keyword options (``grad_transforms``, ``global_step``,
-        ``update_ops``, ``after_apply``, ``record``, ``nonfinite``, ...). Under a strategy
-        ``mode`` must be ``"unrolled"``, ``xla`` False, ``nonfinite`` not ``"skip"``.
+        ``update_ops``, ``after_apply``, ``record``, ``nonfinite``, ``mode``, ...). Under a
+        strategy ``xla`` must be False and ``nonfinite`` not ``"skip"``.
         ``grad_transforms`` see each replica's local gradient, before the all-reduce,
         as they would in a single distributed step that clips before
         ``apply_gradients``.
@@ -133,7 +133,8 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
     return Unrolled(train_op=train_op, losses=losses, steps=steps,
                     var_list=_distributed(first.var_list, strategy), name=first.name,
                     records=records, global_step=first.global_step, summaries=first.summaries,
-                    _batches_first=from_iterator)
+                    mode=first.mode, steps_per_run=first.steps_per_run,
+                    _run_length=first._run_length, _batches_first=from_iterator)
 
 
 def _per_replica(values):

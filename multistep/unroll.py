@@ -312,13 +312,13 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
 
     In the replica context of a ``tf.compat.v1.distribute`` strategy (inside
     ``strategy.extended.call_for_each_replica(fn)``; ``ms.distribute.unroll`` does this
-    for every replica) it builds that replica's N steps: each step's apply all-reduces
-    the gradients through the optimizer's own ``merge_call``, and step k+1 of every
-    replica starts after step k of all of them. ``grad_transforms`` then see this
+    for every replica) it builds that replica's single step, whose apply all-reduces the
+    gradients through the optimizer's own ``merge_call``; one more ``merge_call`` then
+    compiles the steps of all the replicas together (unrolled or as one loop body), step
+    k+1 of every replica after step k of all of them. ``grad_transforms`` then see this
     replica's local gradient, before the all-reduce (as in a single distributed step
-    that clips before ``apply_gradients``); ``losses`` are this replica's. Only
-    ``mode="unrolled"`` without XLA and ``nonfinite`` ``"raise"`` or ``"ignore"``:
-    a ``merge_call`` cannot run inside a loop, function or cond body.
+    that clips before ``apply_gradients``); ``losses`` are this replica's. Not with XLA
+    or ``nonfinite="skip"``: a ``merge_call`` cannot run inside a function or cond body.
 
     Returns:
       An ``Unrolled`` with ``train_op`` and ``losses``.

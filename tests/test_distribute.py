@@ -84,7 +84,7 @@ def state(sess, strategy):
     return out
 
 
-def build(opt_name, steps, fused, update=False, clip=None):
+def build(opt_name, steps, fused, update=False, clip=None, mode="unrolled"):
     """Returns (graph, run(sess) -> losses, strategy) for a fused N-step program or the
     canonical single distributed step."""
     graph = tf.Graph()
@@ -98,7 +98,7 @@ def build(opt_name, steps, fused, update=False, clip=None):
             transforms = [ms.clip_by_global_norm(clip)] if clip else []
             u = ms.distribute.unroll(strategy, lambda x, y: loss_fn(x, y, update), opt, steps,
                                      inputs=iterator, global_step=gs, grad_transforms=transforms,
-                                     record=("grad_norm",))
+                                     record=("grad_norm",), mode=mode)
             fetch = u.losses
         else:
             def step(batch):  # the canonical single distributed step
@@ -126,8 +126,8 @@ def build(opt_name, steps, fused, update=False, clip=None):
     return graph, sess, run, strategy
 
 
-def compare(opt_name, steps, update=False, clip=None):
-    fg, fs, frun, fstrat = build(opt_name, steps, True, update, clip)
+def compare(opt_name, steps, update=False, clip=None, mode="unrolled"):
+    fg, fs, frun, fstrat = build(opt_name, steps, True, update, clip, mode)
     sg, ss, srun, sstrat = build(opt_name, steps, False, update, clip)
     out = {"bitwise": True, "runs": []}
     for r in range(RUNS):
@@ -327,8 +327,9 @@ for opt_name in ("sgd", "adam"):
         results[f"{opt_name}_{steps}"] = compare(opt_name, steps)
 results["adam_3_clip"] = compare("adam", 3, clip=0.5)
 results["sgd_3_update_ops"] = compare("sgd", 3, update=True)
+results["adam_3_clip_loop"] = compare("adam", 3, clip=0.5, mode="while_loop")
+results["sgd_3_update_ops_loop"] = compare("sgd", 3, update=True, mode="while_loop")
 results["user_replica_fn"] = user_replica_fn_with_after_apply(3)
-results["refused_loop"] = refused(mode="while_loop")
 results["refused_xla"] = refused(xla=True)
 results["refused_skip"] = refused(nonfinite="skip")
 results["half_and_full"] = half_and_full()
@@ -353,11 +354,12 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["sgd_1", "sgd_3", "adam_1", "adam_3", "adam_3_clip",
-                                  "sgd_3_update_ops"])
+                                  "sgd_3_update_ops", "adam_3_clip_loop", "sgd_3_update_ops_loop"])
 def test_fused_equals_single_distributed_steps_bitwise(results, case):
     """Per-replica inputs from strategy.make_dataset_iterator, 2 runs; every copy of every
     variable (weights, Adam's slots and beta powers, the moving statistic, the global
-    step) and the reduced losses, bit for bit, after each run."""
+    step) and the reduced losses, bit for bit, after each run; unrolled and, where the
+    case ends in _loop, in loop mode (the replicas' steps compiled as one loop body)."""
     got = results[case]
     assert [r["same"] for r in got["runs"]] == [True, True], got["runs"]
     names = got["runs"][0]["names"]
@@ -385,8 +387,7 @@ def test_ms_unroll_in_the_users_replica_function_with_after_apply(results):
     assert results["user_replica_fn"]["norm"] <= 1.0
 
 
-@pytest.mark.parametrize("case,option", [("refused_loop", "mode='while_loop'"),
-                                         ("refused_xla", "xla=True"),
+@pytest.mark.parametrize("case,option", [("refused_xla", "xla=True"),
                                          ("refused_skip", "nonfinite='skip'")])
 def test_control_flow_modes_refused_under_a_strategy(results, case, option):
     got = results[case]

@@ -85,7 +85,10 @@ def iterator(skip_batches=0):
 floss, fvars, fstep = model("fused")
 fopt = V1.train.AdamOptimizer(LR)
 fit = iterator(KEPT * STEPS if PHASE == "resume" else 0)
-fused = ms.distribute.unroll(strategy, floss, fopt, STEPS, inputs=fit, global_step=fstep)
+# Resumed in loop mode: the workers' steps, collectives included, as one loop body, from
+# the checkpoint the unrolled steps wrote.
+fused = ms.distribute.unroll(strategy, floss, fopt, STEPS, inputs=fit, global_step=fstep,
+                             mode="while_loop" if PHASE == "resume" else "unrolled")
 
 # The canonical single distributed step, one sess.run each.
 sloss, svars, sstep = model("single")
@@ -272,9 +275,10 @@ def test_a_hung_worker_makes_the_other_fail_after_the_collective_timeout(rounds)
 
 
 def test_training_resumed_from_the_checkpoint_continues_bitwise(rounds):
-    """Two fresh workers restore the chief's checkpoint (after 2 fused runs) and make
-    runs 3 and 4; beside them, in the same graph, 12 uninterrupted single steps from
-    the start: every variable bit for bit, on both workers."""
+    """Two fresh workers restore the chief's checkpoint (after 2 fused runs, unrolled) and
+    make runs 3 and 4 in loop mode (the collective all-reduce in the loop body); beside
+    them, in the same graph, 12 uninterrupted single steps from the start: every variable
+    bit for bit, on both workers."""
     for worker in rounds["resume"]:
         assert worker["runs"][0]["bitwise"], worker["runs"]
     resumed = rounds["states"]["resume_0"]
