@@ -392,15 +392,6 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
     if carry is not None:
         if step_lib.in_replica_context():
             raise ValueError("carry= is not supported under a tf.distribute strategy.")
-        if mode == "while_loop" and not xla and not tf.compat.v1.control_flow_v2_enabled():
-            # A v1 loop variable whose first value step 1 computed from the weights: v1
-            # tf.gradients in the body refuses to differentiate "through the initial value
-            # of a loop variable", stop_gradient or not.
-            raise ValueError(
-                "carry= with mode='while_loop' needs v2 control flow (on unless "
-                "tf.compat.v1.disable_v2_behavior() or disable_control_flow_v2() turned it "
-                "off): under v1 control flow use mode='unrolled' (or xla=True, whose loop is a "
-                "function's, v2).")
         leaves = tf.nest.flatten(carry)
         if any(leaf is None for leaf in leaves):
             raise ValueError(
@@ -486,8 +477,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             before=reset, finish=finish if step.halted is not None else None)
         values = dict(zip(keys, compiled.values))
         if mode == "unrolled" and steps > 1:
-            _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label,
-                             loop_refused=step.carries and not tf.compat.v1.control_flow_v2_enabled())
+            _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label)
         if xla:
             lint.warn_random_under_xla(compiled.program, name=label)
         with tf.control_dependencies([compiled.train_op]):
@@ -619,24 +609,17 @@ def _refuse_ref_variables_under_xla(error):
             raise refused from error
 
 
-def _warn_slow_build(step_seconds, seconds, steps, label, *, loop_refused=False):
+def _warn_slow_build(step_seconds, seconds, steps, label):
     """Warn when building ``steps`` unrolled copies took longer than ``SLOW_BUILD_SECONDS``
-    (``step_seconds``: the single step's build, which loop mode needs alone).
-    ``loop_refused``: loop mode would refuse this build (``carry=`` under v1 control
-    flow), so it is not the advice."""
-    if seconds <= SLOW_BUILD_SECONDS:
-        return
-    advice = (f"mode='while_loop' builds the step once and one loop body whatever N, about "
-              f"{step_seconds:.1f} s here, with the same results." if not loop_refused else
-              "mode='while_loop' would build one loop body whatever N, but it refuses "
-              "carry= under v1 control flow (disable_v2_behavior): build fewer steps a "
-              "run, or xla=True (its loop is a function's, v2), or turn v2 control flow "
-              "on (tf.compat.v1.enable_control_flow_v2()) with resource variables.")
-    warnings.warn(
-        f"{label}: {steps} unrolled steps took {seconds:.1f} s to build (the single step "
-        f"{step_seconds * 1e3:.0f} ms); the graph of {steps} copies will take about {steps} "
-        f"times a step's memory, and its first run longer (Grappler optimises every copy). "
-        f"{advice}", RuntimeWarning, stacklevel=lint.user_stacklevel())
+    (``step_seconds``: the single step's build, which loop mode needs alone)."""
+    if seconds > SLOW_BUILD_SECONDS:
+        warnings.warn(
+            f"{label}: {steps} unrolled steps took {seconds:.1f} s to build (the single step "
+            f"{step_seconds * 1e3:.0f} ms); the graph of {steps} copies will take about {steps} "
+            f"times a step's memory, and its first run longer (Grappler optimises every "
+            f"copy). mode='while_loop' builds the step once and one loop body whatever N, "
+            f"about {step_seconds:.1f} s here, with the same results.",
+            RuntimeWarning, stacklevel=lint.user_stacklevel())
 
 
 def _check_graph_size(graph, step_bytes, steps, label):
