@@ -1,6 +1,6 @@
 """``mode="auto"``: loop mode under XLA where the step compiles, unrolled mode otherwise.
 
-The choice is made at build time by trying: step 1 is traced as an XLA program (creating
+The choice is made at build time by trying: the step is traced as an XLA program (creating
 the variables and slots, as the compiled build would), and every op of it, nested
 functions included, must have an XLA kernel for the CPU. Nothing runs. The reasons it
 can fail, each reported in ``Unrolled.why``: a ``tf.data`` iterator input (XLA does not
@@ -24,8 +24,8 @@ _registered = []  # XLA's CPU kernels are registered with the first compilation:
 
 
 def choose(step, feed, label, *, in_replica_context):
-    """(mode, xla, why): ``("while_loop", True, None)`` when step 1 compiles under XLA, else
-    ``("unrolled", False, the reason)``. Tracing step 1 creates its variables; the build
+    """(mode, xla, why): ``("while_loop", True, None)`` when the step compiles under XLA,
+    else ``("unrolled", False, the reason)``. Tracing the step creates its variables; the build
     that follows reuses them (``step.rebuild``)."""
     if in_replica_context:
         return "unrolled", False, ("in a tf.distribute replica context: each step's apply "
@@ -54,7 +54,7 @@ def choose(step, feed, label, *, in_replica_context):
                f", which XLA cannot compile (use_resource=True makes resource variables)")
     finally:
         step.guard.lift = step.xla = False
-        names.write()  # the layer and scope counters as step 1 found them, for the build
+        names.write()  # the layer and scope counters as the trace found them, for the build
         step.rebuild = True
     if why is not None:
         return "unrolled", False, why

@@ -314,9 +314,10 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     program. ``strip``: [(the name prefix of a step's ops, the label its copies go under)]:
     copy k of an op under a prefix is ``<its label>/step_k/<the rest of its name>``
     (loop mode ``.../loop/body/step/<the rest>``), of an op under none
-    ``<label>/step_k/_outside/<its name>``; None: ``<label>/step_k/<its name>``. ``random``: ``"refuse"`` or
-    ``"warn"`` stateful random ops in unrolled mode. ``before``: an op the steps start
-    after; ``finish(end)``: the op that ends the run, given the end of its last step.
+    ``<label>/step_k/_outside/<its name>``; None: ``<label>/step_k/<its name>``.
+    ``random``: ``"refuse"`` or ``"warn"`` stateful random ops in unrolled mode.
+    ``before``: an op the steps start after; ``finish(end)``: the op that ends the run,
+    given the end of its last step.
 
     Returns a ``Built``: ``values`` (per root: the op's train op, or the tensor's ``[N,
     ...]`` values), ``carried`` (each link's value after the last step), ..."""

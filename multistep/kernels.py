@@ -13,8 +13,8 @@ with a single step's, by name within the step.
 Names: step ``k`` of an unrolled build is everything under ``<name>/step_k/`` (its
 ``forward``, ``gradients``, ``transform``, ``record``, ``check``, ``apply`` and
 ``after_apply`` scopes); loop mode's steps are the loop body's ops under the same
-scopes (``<name>/loop/body/.../step/``). A name within its step (``forward/MatMul``) is the same in every step and in a
-single step built by ``ms.unroll(..., steps=1)``.
+scopes (``<name>/loop/body/.../step/``). A name within its step (``forward/MatMul``) is
+the same in every step and in a single step built by ``ms.unroll(..., steps=1)``.
 """
 
 import collections

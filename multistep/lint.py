@@ -229,7 +229,8 @@ def check_built_outside(end, before, watched, *, name, loop=False):
         stale[op] = (var, op) if var is not None else next(
             (stale[p] for p in _data_preds(op) if stale.get(p)), None)
     if found:  # named as the forward pass uses it (a gradient may use the read inside it)
-        _, used = min(found, key=lambda pair: ("/gradients/" in pair[0].name, pair[0]._id))  # noqa: SLF001
+        _, used = min(found, key=lambda pair: (  # noqa: SLF001 (_id: creation order)
+            "/gradients/" in pair[0].name, pair[0]._id))
         raise StaleForwardError(_stale_message("2..N" if loop else 2, used, *stale[used],
                                                name=name, loop=loop))
 

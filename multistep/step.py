@@ -52,7 +52,7 @@ class Step:
     after_apply: object = None
     label: str = "multistep"
     skipped: object = None
-    halted: object = None  # xla=True with nonfinite="raise": int32 [3] variable (_halt_unless_finite)
+    halted: object = None  # xla=True, nonfinite="raise": int32 [3] variable (_halt_unless_finite)
     xla: bool = False  # built to run in an XLA program (the apply in a cond, a halt flag)
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
@@ -182,11 +182,12 @@ class Step:
 
     def _slots_scope(self):
         """Where the apply runs. In the replica context of a ``tf.distribute``
-        strategy, step 1's ``merge_call`` creates the optimizer's variables (slots,
+        strategy, the step's ``merge_call`` creates the optimizer's variables (slots,
         Adam's ``beta1_power``) in cross-replica context, outside this step's variable
-        creator, named under the first replica's name scope: there step 1's apply runs
-        in the scope ``ms.unroll`` was called in, so they get a single step's names (its
-        update ops then sit beside ``step_1``, not in it). Elsewhere: the current scope."""
+        creator, named under the first replica's name scope: there the apply runs in
+        the scope ``ms.unroll`` was called in, so they get a single step's names (its
+        update ops then sit beside ``name/step``, their copies under
+        ``name/step_k/_outside/``). Elsewhere: the current scope."""
         if not in_replica_context():
             return contextlib.nullcontext()
         return self.guard.graph.name_scope(self.guard.base + "/" if self.guard.base else "")
@@ -552,7 +553,7 @@ def check_capturable(variables, what, *, compiled):
 
 
 # The name scope of _apply_if's cond. A v1 cond (disable_v2_behavior) builds its branches
-# in it, so step 1's slots (Adam's beta1_power) would be named "if_finite/beta1_power": the
+# in it, so the step's slots (Adam's beta1_power) would be named "if_finite/beta1_power": the
 # creation guard strips it, as it strips the step's own scopes.
 _IF_FINITE = "if_finite"
 _V1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter"})
@@ -612,7 +613,7 @@ class CreationGuard:
             if rest.startswith(_IF_FINITE + "/"):
                 rest = rest[len(_IF_FINITE) + 1:]
             where = (self.base + "/" if self.base else "") + rest
-        if self.lift:  # the compiled program's step 1: made in this graph, not the program's
+        if self.lift:  # traced in a compiled program: made in this graph, not the program's
             kwargs["experimental_enable_variable_lifting"] = False  # a plain variable (tf.function)
             with tf.init_scope(), self.graph.name_scope(where):
                 variable = next_creator(**kwargs)

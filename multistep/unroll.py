@@ -235,33 +235,33 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         normalization's moving mean and variance) run in step k, after its
         forward pass and before its gradients and apply, as a single step's
         ``with tf.control_dependencies(UPDATE_OPS): minimize(loss)`` runs them.
-        The collection keeps step 1's (the ops a single-step graph of the same
-        model holds), not those of steps 2..N. ``"all"``: those, and every
+        The collection keeps the single step's (the ops a single-step graph of the
+        same model holds). ``"all"``: those, and every
         other variable write that ``loss_fn`` builds (what Keras 3 layers such
         as ``BatchNormalization`` and ``Dropout`` need in graph mode: they write
         their state without UPDATE_OPS; ``tf.function`` would run the writes).
         ``False``: the update ops are left out and never run.
       after_apply: optional callable ``() -> op, tensor, list of them, or None``,
-        called once per inner step after that step's apply and inside its
-        dependencies; what it returns runs before step k+1 reads anything: the
-        single-step ``with tf.control_dependencies([train_op]): after_apply()``.
-        For ``ema.apply(var_list)``, weight projections and constraints. The
-        variables it creates on its first call (an EMA's shadows) get the names
-        of a single-step graph. With ``nonfinite="skip"`` a skipped step runs no
-        ``after_apply``.
+        called once, after the single step's apply and inside its dependencies; what
+        it returns runs in every step before step k+1 reads anything: the single-step
+        ``with tf.control_dependencies([train_op]): after_apply()``. For
+        ``ema.apply(var_list)``, weight projections and constraints. The variables it
+        creates (an EMA's shadows) get the names of a single-step graph. With
+        ``nonfinite="skip"`` a skipped step runs no ``after_apply``.
       mode: ``"unrolled"``: N copies of the step, chained by control
         dependencies (the graph grows with N; each copy of a stateful random op
         restarts its stream: a warning says so). ``"while_loop"``: one
         ``tf.while_loop`` body run N times (graph size independent of N; one kernel of a
         stateful random op draws the single steps' stream; ref variables need v1
         control flow).
-        ``"auto"``: ``"while_loop"`` with XLA (``xla`` is then ignored) when step 1
+        ``"auto"``: ``"while_loop"`` with XLA (``xla`` is then ignored) when the step
         compiles under XLA, tried at build time; else ``"unrolled"`` without XLA, and
         ``Unrolled.why`` says why (an op without an XLA kernel, ref variables, a
         ``tf.data`` iterator input, a replica context). ``Unrolled.mode`` says which.
       xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
-        called from the graph; the single step is built in an XLA context). Bitwise equal to N runs of the single-step XLA program (``steps=1,
-        xla=True``; ``ms.verify(..., xla=True)`` checks it); against plain single steps
+        called from the graph; the single step is built in an XLA context). Bitwise
+        equal to N runs of the single-step XLA program (``steps=1, xla=True``;
+        ``ms.verify(..., xla=True)`` checks it); against plain single steps
         within floating-point tolerance, not bitwise: XLA fuses and reorders the
         arithmetic. XLA compiles CheckNumerics
         to nothing, so there ``nonfinite="raise"`` halts the program at the first
@@ -473,7 +473,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         compiled = _compiled(
             step_lib.in_replica_context(), [outputs[key] for key in keys] + [end], steps, label,
             mode if steps > 1 else "unrolled", given=given, links=links, run_length=run_length,
-            done=run_length.done if run_length is not None else None, xla=xla, strip=[(prefix, label)],
+            done=run_length.done if run_length is not None else None, xla=xla,
+            strip=[(prefix, label)],
             before=reset, finish=finish if step.halted is not None else None)
         values = dict(zip(keys, compiled.values))
         if mode == "unrolled" and steps > 1:
@@ -528,7 +529,9 @@ def _compiled(replicated, roots, steps, label, mode, *, given, strip, **options)
 
 
 def _per_replica(values):
-    from tensorflow.python.distribute import values as values_lib  # PerReplica: no public constructor
+    from tensorflow.python.distribute import (
+        values as values_lib,  # PerReplica: no public constructor
+    )
 
     return values_lib.PerReplica(tuple(values))
 

@@ -307,7 +307,8 @@ def test_unrolled_copies_of_a_collective_take_keys_of_their_own():
             w, train = program()
             if fused:
                 train = ms.compile([train], steps=3, mode="unrolled").train_op
-                keys = sorted(int(tf.get_static_value(op.inputs[3])) for op in graph.get_operations()
+                keys = sorted(int(tf.get_static_value(op.inputs[3]))
+                              for op in graph.get_operations()
                               if op.type == "CollectiveReduceV2" and "/step_" in op.name)
                 assert keys == [1, 1 + 2 ** 20, 1 + 2 * 2 ** 20]
             sess.run(w.initializer)
