@@ -14,7 +14,7 @@ from tensorflow.python.framework import kernels as kernel_registry
 
 from multistep import lint
 
-__all__ = ["choose"]
+__all__ = ["choose", "uncompilable"]
 
 # Ops XLA handles itself rather than through a registered kernel (function structure).
 _STRUCTURE = frozenset({"NoOp", "Placeholder", "_Arg", "_Retval", "Identity", "IdentityN",
@@ -43,7 +43,7 @@ def choose(step, feed, label, *, in_replica_context):
 
     try:
         graph = tf.function(step_1, jit_compile=True, autograph=False).get_concrete_function().graph
-        why = _uncompilable(graph)
+        why = uncompilable(graph)
     except (TypeError, ValueError):  # what TensorFlow raises over a ref variable
         # The graph's variables: the trace may fail before the step knows its own (var_list
         # is found with the gradients; a ref variable's update op fails in the forward pass).
@@ -61,8 +61,10 @@ def choose(step, feed, label, *, in_replica_context):
     return "while_loop", True, None
 
 
-def _uncompilable(graph):
-    """Why ``graph`` (a traced step, its nested functions included) cannot compile, or None."""
+def uncompilable(graph):
+    """Why ``graph`` (a traced step, its nested functions included) cannot compile under
+    XLA on the CPU, or None."""
+    _register_xla_kernels()
     nodes = lint.program_nodes(graph)
     missing = sorted({n.op for n in nodes if n.op not in _STRUCTURE and not _has_xla_kernel(n.op)})
     if missing:

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from multistep import lint
+from multistep import auto, lint
 
 __all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
 
@@ -52,6 +52,8 @@ _STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "S
                              "Stack", "TemporaryVariable", "IteratorFromStringHandle",
                              "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
+_FUNCTIONAL_CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
+                                      "StatelessCase"})
 
 
 _PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
@@ -255,7 +257,11 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         ``name/step_k/<original name>``, each after the previous; refused for a step
         with stateful random ops (each copy would restart the stream). ``"auto"``:
         ``"while_loop"``.
-      xla: not yet supported with ``ms.compile`` (ValueError).
+      xla: run the N steps as one XLA program (``tf.function(jit_compile=True)`` called
+        from the graph), loop mode only: bitwise equal to N runs of the step compiled
+        alone (``steps=1, xla=True``), not to the plain step (XLA fuses and reorders the
+        arithmetic). A step XLA cannot compile (an op without an XLA kernel, a
+        ``tf.data`` iterator, ref variables) is refused at build time, naming the op.
       name: the name scope of the copies (and of the loop).
 
     Returns:
@@ -268,9 +274,8 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
     steps = positive_int("steps", steps)
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}.")
-    if xla is not False:
-        raise ValueError("ms.compile: xla=True is not supported yet; use ms.unroll(..., "
-                         "xla=True) or mode='while_loop' without XLA.")
+    if not isinstance(xla, bool):
+        raise TypeError(f"ms.compile: xla must be True or False, got {xla!r}.")
     flat = tf.nest.flatten(fetches)
     if not flat:
         raise ValueError("ms.compile: fetches is empty; give the train op (and the loss).")
@@ -282,13 +287,20 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         roots.append(item)
     if mode == "auto":
         mode = "while_loop"
+    if xla and mode == "unrolled" and steps > 1:
+        raise ValueError(
+            "ms.compile: xla=True with mode='unrolled' is refused: in one XLA program XLA "
+            "simplifies across the copies' applies (step k+1 reads what step k wrote), so "
+            "the steps would not be bitwise those of the step compiled alone (an MLP with "
+            "Adam differed). Use mode='while_loop' with xla=True: bitwise, one body.")
     with tf.name_scope(name) as scope:
-        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds)
+        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla)
     structured = tf.nest.pack_sequence_as(fetches, built.values)
     return Compiled(
         train_op=built.train_op, values=structured, losses=_losses(roots, structured),
         summaries=_summaries(roots, structured),
-        inputs=dict(built.inputs), steps=steps, name=built.label, mode=mode,
+        inputs=dict(built.inputs), steps=steps, name=built.label,
+        mode=mode + ("+xla" if xla else ""),
         global_step=_global_step(graph, built.copied),
         steps_per_run=built.run_length.variable if built.run_length is not None else None,
         _run_length=built.run_length,
@@ -347,6 +359,10 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     copied = [op for op in ops if where[op] == "copied"]
     template = _template(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
                          strip, label)
+    if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
+        for node in template.graph_def.node:
+            if node.op in _FUNCTIONAL_CONTROL_FLOW:
+                node.attr["_lower_using_switch_merge"].b = False
     with tf.name_scope("inputs"):
         inputs = {p.outputs[0]: _per_step_input(p) for p in fed}
     if mode == "while_loop" and run_length is None:
@@ -367,6 +383,13 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             outputs = program()
     if xla:
         program = program.get_concrete_function().graph
+        why = auto.uncompilable(program)
+        if why is not None and "'Optional" in why:
+            why += (" (the gradient of a tf.cond or tf.while_loop built outside an XLA "
+                    "context keeps the branch's intermediates as Optionals)")
+        if why is not None:
+            raise ValueError(f"{label}: xla=True, but the steps cannot compile: {why}. Build "
+                             f"without XLA (mode='while_loop' runs the step as written).")
         end = outputs[0].op
         tensors = iter(outputs[1:])
         fetched = [None if isinstance(r, tf.Operation) else next(tensors) for r in roots]

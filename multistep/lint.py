@@ -267,9 +267,33 @@ def check_captures(body, watched, *, name):
 
 def program_nodes(func_graph):
     """Every NodeDef of ``func_graph`` and of the functions it calls (loop bodies, cond
-    branches), as one list."""
+    branches, theirs in turn), as one list: those of its library, and those a node
+    imported into it calls from the graphs around it (where they were built)."""
     graph_def = func_graph.as_graph_def()
-    return list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    library = {f.signature.name: f for f in graph_def.library.function}
+    nodes, seen, todo = list(graph_def.node), set(), list(graph_def.node)
+    while todo:
+        node = todo.pop()
+        for value in node.attr.values():
+            for name in [value.func.name] + [f.name for f in value.list.func]:
+                if not name or name in seen:
+                    continue
+                seen.add(name)
+                function = library.get(name) or _outer_function(func_graph, name)
+                if function is not None:
+                    nodes += function.node_def
+                    todo += function.node_def
+    return nodes
+
+
+def _outer_function(graph, name):
+    """The FunctionDef ``name`` of a graph around ``graph``, or None."""
+    while graph is not None:
+        function = graph._functions.get(name)  # noqa: SLF001 (no public lookup by name)
+        if function is not None:
+            return function.cached_definition
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 def warn_random_under_xla(func_graph, *, name):

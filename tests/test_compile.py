@@ -318,6 +318,60 @@ def test_unrolled_copies_of_a_collective_take_keys_of_their_own():
     assert got[True].tobytes() == got[False].tobytes()
 
 
+def _xla_program(w0, inside=False):
+    """An MLP with Adam and a cond on a training switch; ``inside``: the cond's branches
+    compute what its gradient needs (kept as Optionals outside an XLA context)."""
+    x, y = V1.placeholder(tf.float32, [16, 8]), V1.placeholder(tf.int32, [16])
+    w = V1.get_variable("w", initializer=w0)
+    training = V1.placeholder_with_default(True, [])
+    if inside:
+        h = tf.cond(training, lambda: tf.matmul(x, w) * 0.5, lambda: tf.matmul(x, w))
+    else:
+        h = tf.matmul(x, w)
+        h = tf.cond(training, lambda: h * 0.5, lambda: h)  # lowered in a graph
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
+    return x, y, loss, V1.train.AdamOptimizer(0.1).minimize(
+        loss, global_step=V1.train.get_or_create_global_step())
+
+
+def test_xla_loop_is_bitwise_with_the_step_compiled_alone():
+    """xla=True (loop mode): 2 runs of 3 steps against 6 runs of the step compiled alone
+    (steps=1), every variable bit for bit; a cond built in the graph (lowered) compiles
+    whole. Unrolled copies in one XLA program are refused (XLA simplifies across them)."""
+    rng = np.random.RandomState(0)
+    w0 = rng.randn(8, 3).astype(np.float32) * 0.1
+    xs, ys = rng.randn(6, 16, 8).astype(np.float32), rng.randint(0, 3, (6, 16)).astype(np.int32)
+    out = []
+    for steps in (3, 1):
+        with tf.Graph().as_default(), V1.Session() as sess:
+            x, y, loss, train = _xla_program(w0)
+            fused = ms.compile([loss, train], steps, xla=True, feeds=[x, y])
+            assert fused.mode == "while_loop+xla"
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            for r in range(6 // steps):
+                fused.run(sess, {x: xs[r * steps:(r + 1) * steps], y: ys[r * steps:(r + 1) * steps]})
+            out.append({v.op.name: sess.run(v) for v in V1.global_variables()})
+    assert sorted(out[0]) == sorted(out[1])
+    assert all(out[0][n].tobytes() == out[1][n].tobytes() for n in out[0])
+    with tf.Graph().as_default():
+        _, _, loss, train = _xla_program(w0)
+        with pytest.raises(ValueError, match="xla=True with mode='unrolled' is refused"):
+            ms.compile([loss, train], 3, mode="unrolled", xla=True)
+
+
+def test_xla_refuses_a_step_it_cannot_compile_at_build_naming_the_op():
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=1.0)
+        loss = tf.square(w) + tf.strings.to_number(tf.strings.as_string(w))  # string ops
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(ValueError, match=r"cannot compile: op type 'AsString'"):
+            ms.compile([loss, train], 3, xla=True)
+    with tf.Graph().as_default():
+        _, _, loss, train = _xla_program(np.ones([8, 3], np.float32), inside=True)
+        with pytest.raises(ValueError, match=r"'OptionalFromValue'.*the gradient of a tf.cond"):
+            ms.compile([loss, train], 3, xla=True)
+
+
 def test_too_many_unrolled_copies_of_a_collective_are_refused():
     with tf.Graph().as_default():
         w = V1.get_variable("w", initializer=np.ones([2], np.float32))
