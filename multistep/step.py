@@ -96,7 +96,7 @@ class Step:
         scopes.retag(summaries, forward_scope)
         extra = {"summary": _merged(summaries)} if summaries else {}
         with tf.control_dependencies(run_first):
-            outputs, apply_op = self._descend(loss, forward, extra)
+            outputs, apply_op = self._descend(loss, extra)
         end = apply_op if self.nonfinite == "skip" or self.xla else self._after(apply_op)
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
@@ -143,12 +143,12 @@ class Step:
                 zip(tf.nest.flatten(carry), tf.nest.flatten(next_carry)))])
         return _call_loss_fn(lambda *_: loss, ())
 
-    def _descend(self, loss, forward, extra=None):
+    def _descend(self, loss, extra=None):
         """Gradients, transforms, records, checks and the apply of ``loss``: (outputs, the
         apply op). ``extra``: more outputs (the step's summaries), computed before the
         apply as the loss is."""
         with self.guard.scope("gradients"):
-            grads_and_vars = self._gradients(loss, forward)
+            grads_and_vars = self._gradients(loss)
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
@@ -192,9 +192,8 @@ class Step:
             return contextlib.nullcontext()
         return self.guard.graph.name_scope(self.guard.base + "/" if self.guard.base else "")
 
-    def _gradients(self, loss, forward):
+    def _gradients(self, loss):
         """``compute_gradients``' result (``minimize``'s options as given)."""
-        del forward
         if callable(self.var_list):  # a phase's: the variables its loss_fn call made
             returned = self.var_list()
             found = (tuple(returned) if isinstance(returned, (list, tuple)) else returned)
@@ -660,6 +659,6 @@ def _check_gradients(grads_and_vars):
     missing = [v.name for g, v in grads_and_vars if g is None]
     if missing:
         raise ValueError(
-            f"var_list: no gradient path from the loss to {', '.join(map(repr, missing))} "
-            f"; remove them from var_list or use them in loss_fn.")
+            f"var_list: no gradient path from the loss to {', '.join(map(repr, missing))}; "
+            f"remove them from var_list or use them in loss_fn.")
 

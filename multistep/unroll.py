@@ -598,20 +598,6 @@ def forced_xla(xla):
         _FORCED_XLA.pop()
 
 
-def _refuse_ref_variables_under_xla(error):
-    """An XLA program that failed to build over ref variables (TensorFlow's error names
-    an op's ``float32_ref`` input, or none at all): the reason, said plainly."""
-    graph = tf.compat.v1.get_default_graph()
-    ref = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-           if v.op.type != "VarHandleOp"]
-    if ref:
-        named = [v for v in ref if v.op.name in str(error)] or ref
-        try:
-            step_lib.check_capturable(named, "xla=True", compiled=True)
-        except TypeError as refused:
-            raise refused from error
-
-
 def _warn_slow_build(step_seconds, seconds, steps, label):
     """Warn when building ``steps`` unrolled copies took longer than ``SLOW_BUILD_SECONDS``
     (``step_seconds``: the single step's build, which loop mode needs alone)."""
@@ -626,8 +612,8 @@ def _warn_slow_build(step_seconds, seconds, steps, label):
 
 
 def _check_graph_size(graph, step_bytes, steps, label):
-    now = sum(op.node_def.ByteSize() for op in graph.get_operations())
-    estimate = now + (steps - 1) * step_bytes
+    now = sum(op.node_def.ByteSize() for op in graph.get_operations())  # (the step, once)
+    estimate = now + steps * step_bytes
     if estimate > GRAPHDEF_LIMIT:
         raise GraphTooLargeError(
             f"{label}: {steps} unrolled steps of about {step_bytes / 2**20:.1f} MiB each "
