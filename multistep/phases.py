@@ -20,6 +20,7 @@ gradients, transforms, apply), the steps' machinery unchanged.
 """
 
 import dataclasses
+import warnings
 
 import tensorflow as tf
 
@@ -125,7 +126,8 @@ class Phased:
             if self.order == "chained":
                 after = [end]
         if self.order == "simultaneous":
-            _apply_after_every_gradient(self.steps, graph.get_operations()[first_op:])
+            _apply_after_every_gradient(self.steps, self.names,
+                                        graph.get_operations()[first_op:])
         outputs["loss"] = outputs[f"loss/{self.names[-1]}"]
         if self.summarized:
             with tf.control_dependencies(ends):
@@ -135,15 +137,33 @@ class Phased:
             return outputs, tf.no_op(name="phases_done")
 
 
-def _apply_after_every_gradient(steps, ops):
+def _apply_after_every_gradient(steps, names, ops):
     """Order every write of each phase's apply (among ``ops``, this step's) after every
     other phase's loss and gradients (what their reads feed): the phases then all read
-    the weights as the step found them."""
-    for step in steps:
+    the weights as the step found them. A variable two phases train is written by both
+    applies, which nothing else orders: the later phase's writes of it wait for the
+    earlier phase's, and a warning says so."""
+    written = {}  # variable op -> the writes of the phases before, in phase order
+    warned = set()
+    for step, name in zip(steps, names):
         before = [t.op for other in steps if other is not step for t in other.before_apply]
-        for op in ops:
-            if op.name.startswith(step.apply_scope) and lint.is_write(op):
-                op._add_control_inputs([b for b in before if b not in op.control_inputs])
+        mine = [op for op in ops if op.name.startswith(step.apply_scope) and lint.is_write(op)]
+        for op in mine:
+            variable = lint.source_op(op.inputs[0])
+            earlier = written.get(variable, [])
+            if earlier and variable not in warned:
+                warned.add(variable)
+                warnings.warn(
+                    f"phases='simultaneous': phase {name!r} and an earlier phase both train "
+                    f"{variable.name!r}, and a single step that applies both after both "
+                    f"gradients leaves the two applies unordered (a race). Here the later "
+                    f"phase's apply of it runs after the earlier's, in phase order; give each "
+                    f"phase its own var_list, or use phases='chained'.",
+                    RuntimeWarning, stacklevel=lint.user_stacklevel())
+            wait = before + [o for o in earlier if o not in before]
+            op._add_control_inputs([b for b in wait if b not in op.control_inputs])
+        for op in mine:
+            written.setdefault(lint.source_op(op.inputs[0]), []).append(op)
 
 
 def parse(loss_fn, optimizer, var_list, order):

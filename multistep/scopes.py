@@ -19,15 +19,21 @@ __all__ = ["NameCounters", "op_collections_of", "retag", "reuse_variables"]
 
 def retag(summaries, scope):
     """Give the summaries a step built the tags a single step's have: a
-    ``tf.compat.v1.summary`` op takes its tag from the name scope it is built in, so step
-    k's ``loss`` is tagged ``multistep/step_k/forward/loss``; ``scope`` (that prefix) is
-    dropped from the constant tag each takes as its first input."""
+    ``tf.compat.v1.summary`` op takes its tag from the name scope it is built in, so the
+    step's ``loss`` is tagged ``multistep/step/forward/loss``; ``scope`` (that prefix) is
+    dropped from the constant tag each takes as its first input, as often as it leads it
+    (a tag built from an op's name in the scope holds it twice)."""
     for summary in summaries:
         op = getattr(summary, "op", summary)
         if not op.inputs or op.inputs[0].dtype != tf.string or op.inputs[0].op.type != "Const":
             continue
         tags = tf.get_static_value(op.inputs[0])
-        strip = lambda tag: tag[len(scope):] if tag.startswith(scope) else tag  # noqa: E731
+
+        def strip(tag):  # (twice for a tag built from an op's name in the scope)
+            while tag.startswith(scope):
+                tag = tag[len(scope):]
+            return tag
+
         if isinstance(tags, bytes):
             retagged = strip(tags.decode()).encode()
         else:

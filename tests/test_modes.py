@@ -137,6 +137,24 @@ def test_a_variable_loss_fn_creates_is_made_once_and_trained_by_every_step(mode)
     assert np.array(values[True]).tobytes() == np.array(values[False]).tobytes()
 
 
+def test_names_loss_fn_sees_do_not_depend_on_the_mode():
+    """Issue 28: a name derived from op.name in loss_fn (a summary tag, a collection key)
+    was 'multistep/step_1/forward/...' unrolled and '.../loop/body/forward/...' in a loop.
+    loss_fn builds the one single step now, under 'multistep/step/', in every mode."""
+    seen = {}
+    for mode in ("unrolled", "while_loop", "auto"):
+        with tf.Graph().as_default():
+            w = V1.get_variable("w", initializer=1.0, use_resource=True)
+
+            def loss_fn():
+                h = tf.tanh(w, name="h")
+                seen[mode] = h.op.name
+                return h * h
+
+            ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.1), 3, mode=mode)
+    assert set(seen.values()) == {"multistep/step/forward/h"}, seen
+
+
 def test_bad_mode_and_xla():
     with tf.Graph().as_default():
         w = tf.Variable(1.0)

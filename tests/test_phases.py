@@ -50,6 +50,40 @@ def test_two_unrolled_train_ops_over_shared_state_are_warned_about():
         assert d.train_op is not None
 
 
+def test_simultaneous_phases_training_one_variable_warn_and_apply_in_phase_order():
+    """Issue 28: both phases train 'w'; a single step applying both after both gradients
+    leaves the two applies unordered. Warned, naming it; applied in phase order, bitwise
+    with the single step that orders them so (the second apply after the first)."""
+    def program(fused):
+        w = V1.get_variable("w", initializer=[1.0, -2.0])
+        v = V1.get_variable("v", initializer=[0.5, 0.25])
+        one, two = (lambda: tf.reduce_sum(w * w * v)), (lambda: tf.reduce_sum(tf.sin(w) + v * v))
+        opt_one, opt_two = V1.train.AdamOptimizer(0.1), V1.train.GradientDescentOptimizer(0.3)
+        if fused:
+            with pytest.warns(RuntimeWarning, match=r"phase 'two' and an earlier phase both "
+                                                    r"train 'w'.*phase order"):
+                return ms.unroll([ms.phase(one, opt_one, var_list=[w, v], name="one"),
+                                  ms.phase(two, opt_two, var_list=[w], name="two")], steps=3,
+                                 phases="simultaneous").train_op
+        grads_one = opt_one.compute_gradients(one(), var_list=[w, v])
+        grads_two = opt_two.compute_gradients(two(), var_list=[w])
+        with tf.control_dependencies([g for g, _ in grads_one + grads_two]):
+            first = opt_one.apply_gradients(grads_one)
+        with tf.control_dependencies([first]):
+            return opt_two.apply_gradients(grads_two)
+
+    got = {}
+    for fused in (True, False):
+        with tf.Graph().as_default(), V1.Session() as sess:
+            train = program(fused)
+            sess.run(V1.global_variables_initializer())
+            for _ in range(1 if fused else 3):
+                sess.run(train)
+            got[fused] = {x.op.name: sess.run(x) for x in V1.global_variables()}
+    assert sorted(got[True]) == sorted(got[False])
+    assert all(got[True][n].tobytes() == got[False][n].tobytes() for n in got[False])
+
+
 def test_phases_of_disjoint_models_do_not_warn():
     with tf.Graph().as_default(), warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -231,6 +231,9 @@ def cifar_model(x, y):
     for term in tf.compat.v1.get_collection("losses"):
         tf.compat.v1.summary.scalar(term.op.name.split("/")[-1], term)
     tf.compat.v1.summary.histogram("activations", h)
+    # The tutorial's _activation_summary: a tag built from the op's name (issue 28: the
+    # fused steps wrote it under the step's scope).
+    tf.compat.v1.summary.scalar(h.op.name + "/sparsity", tf.nn.zero_fraction(h))
     return total
 
 
@@ -289,7 +292,7 @@ def test_summaries_in_loss_fn_are_written_per_inner_step(tmp_path, mode):
         assert got[name].tobytes() == want[name].tobytes(), name
     single, fused = _events(tmp_path / "single"), _events(tmp_path / "fused")
     # TensorFlow's tags: the scalars' op names were taken by the terms, so "decay_1", "data_1".
-    assert {tag for tag, _ in single} == {"decay_1", "data_1", "activations"}
+    assert {tag for tag, _ in single} == {"decay_1", "data_1", "activations", "Tanh/sparsity"}
     assert sorted(k for k in single if k[1] >= 1) == sorted(k for k in fused if k[0] != "loss")
     for key in single:
         if key[1] >= 1:  # SummarySaverHook also writes at global step 0, before the first apply
