@@ -22,23 +22,27 @@ def retag(summaries, scope):
     ``tf.compat.v1.summary`` op takes its tag from the name scope it is built in, so the
     step's ``loss`` is tagged ``multistep/step/forward/loss``; ``scope`` (that prefix) is
     dropped from the constant tag each takes as its first input, as often as it leads it
-    (a tag built from an op's name in the scope holds it twice)."""
+    (a tag built from an op's name in the scope holds it twice). A single step builds the
+    summary at the graph's top, where a name in use (``histogram("w", w)`` beside the
+    variable ``w``) gives the tag a suffix (``w_1``): so does the stripped tag."""
+    graph = tf.compat.v1.get_default_graph()
+
+    def strip(tag):
+        while tag.startswith(scope):
+            tag = tag[len(scope):]
+        with graph.name_scope(None):
+            return graph.unique_name(tag, mark_as_used=False)
+
     for summary in summaries:
         op = getattr(summary, "op", summary)
         if not op.inputs or op.inputs[0].dtype != tf.string or op.inputs[0].op.type != "Const":
             continue
         tags = tf.get_static_value(op.inputs[0])
-
-        def strip(tag):  # (twice for a tag built from an op's name in the scope)
-            while tag.startswith(scope):
-                tag = tag[len(scope):]
-            return tag
-
         if isinstance(tags, bytes):
             retagged = strip(tags.decode()).encode()
         else:
             retagged = np.vectorize(lambda t: strip(t.decode()).encode(), otypes=[object])(tags)
-        with tf.compat.v1.get_default_graph().name_scope(op.name + "/"):
+        with graph.name_scope(op.name + "/"):
             op._update_input(0, tf.constant(retagged, dtype=tf.string, name="tag"))
 
 

@@ -234,6 +234,8 @@ def cifar_model(x, y):
     # The tutorial's _activation_summary: a tag built from the op's name (issue 28: the
     # fused steps wrote it under the step's scope).
     tf.compat.v1.summary.scalar(h.op.name + "/sparsity", tf.nn.zero_fraction(h))
+    # Named as the variable: a single step's tag takes a suffix, "dense/kernel_1" (issue 28).
+    tf.compat.v1.summary.histogram("dense/kernel", w)
     return total
 
 
@@ -292,7 +294,8 @@ def test_summaries_in_loss_fn_are_written_per_inner_step(tmp_path, mode):
         assert got[name].tobytes() == want[name].tobytes(), name
     single, fused = _events(tmp_path / "single"), _events(tmp_path / "fused")
     # TensorFlow's tags: the scalars' op names were taken by the terms, so "decay_1", "data_1".
-    assert {tag for tag, _ in single} == {"decay_1", "data_1", "activations", "Tanh/sparsity"}
+    assert {tag for tag, _ in single} == {"decay_1", "data_1", "activations", "Tanh/sparsity",
+                                          "dense/kernel_1"}
     assert sorted(k for k in single if k[1] >= 1) == sorted(k for k in fused if k[0] != "loss")
     for key in single:
         if key[1] >= 1:  # SummarySaverHook also writes at global step 0, before the first apply
