@@ -218,9 +218,9 @@ def check_built_outside(end, before, watched, *, name, loop=False):
     (among the ops ``before`` it) that reads watched state: a tensor ``loss_fn`` did not
     build itself (``logits = dense(x)`` made once, a learning rate computed from the
     global step outside). ``ms.unroll``'s contract is that ``loss_fn`` builds the forward
-    pass, and a graph of N steps that reused such a value would train on stale weights;
-    (the compiler would copy it into every step, as ``ms.compile`` does a program as
-    written, but ``ms.unroll`` refuses it rather than guess what was meant)."""
+    pass, and a graph of N steps that reused such a value would train on stale weights.
+    The compiler would copy it into every step, as ``ms.compile`` does a program as
+    written; ``ms.unroll`` refuses it rather than guess what was meant."""
     stale = {}  # op outside the step -> (variable name, read op) in its ancestry, or None
     found = []  # (the op of the step that uses it, the stale op)
     for op in _ancestors_postorder(end):
