@@ -314,7 +314,7 @@ def warn_random_under_xla(func_graph, *, name):
 
 
 def _stale_message(step, used, var, read_op, *, name, loop=False):
-    where = f"'{used.name}' ({used.type})"
+    where = f"'{used.name}' ({used.type}){built_at(used)}"
     if read_op is not used:
         where += f", computed from a read of '{var}' by '{read_op.name}' ({read_op.type})"
     else:

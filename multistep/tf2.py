@@ -356,20 +356,41 @@ class Finding:
         return self.message
 
 
-def check(fused, batches):
-    """The traps in ``fused``'s loop, before anything runs (it traces, which creates the
-    variables a lazily built model makes): a list of ``Finding``.
+def check(fused, *args):
+    """The traps in a training loop's body, before anything runs (it traces, which creates
+    the variables a lazily built model makes): a list of ``Finding``.
+
+    ``fused``: what ``ms.tf2.fuse`` returned, called as ``check(fused, batches)``; or any
+    ``tf.function`` whose body has a ``tf.while_loop`` (a hand-written ``for i in
+    tf.range(n)`` training loop), called as ``check(fn, *its_arguments)``: every loop in
+    it is checked for the first two kinds.
 
     - ``stale``: the loop uses a value computed before it from a read of a variable the
-      loop writes (evaluated once per call, so every step reuses the first value).
-    - ``frozen``: the loop uses a non-variable value captured from Python or eager code
-      (a constant in every step and every call; harmless for data, wrong for anything
+      loop writes (evaluated once per call, so every step reuses the first value); the
+      message names the line that built it.
+    - ``frozen``: the loop uses a float value captured from Python or eager code (a
+      constant in every step and every call; harmless for data, wrong for anything
       computed from the weights, such as a gradient or an L2 term computed eagerly).
-    - ``python_state``: two traces of ``step_fn`` differ in a constant: Python state
-      (a counter, a float attribute) that each trace freezes at its value then.
+    - ``python_state`` (``ms.tf2.fuse`` only): two traces of ``step_fn`` differ in a
+      constant: Python state (a counter, a float attribute) that each trace freezes at
+      its value then.
     """
     if not isinstance(fused, Fused):
-        raise TypeError(f"check takes what ms.tf2.fuse returned, got {type(fused).__name__}.")
+        if not hasattr(fused, "get_concrete_function"):
+            raise TypeError(f"check takes what ms.tf2.fuse returned, or a tf.function with a "
+                            f"loop; got {type(fused).__name__}.")
+        graph = fused.get_concrete_function(*args).graph
+        bodies = _loop_bodies(graph)
+        if not bodies:
+            raise ValueError(f"check: {getattr(fused, '__name__', fused)!r} has no "
+                             f"tf.while_loop (a `for` over tf.range, traced by AutoGraph) to "
+                             f"check; a loop in Python runs once per step of its own.")
+        name = f"{getattr(fused, '__name__', 'the function')}'s loop"
+        return [f for body in bodies
+                for f in _capture_findings(body, _written_variables(body), name=name)]
+    if len(args) != 1:
+        raise TypeError("check(fused, batches): the batches, one argument.")
+    [batches] = args
     if _is_iterator(batches):
         raise TypeError("check takes batches as tensors with a leading dimension N; take N "
                         "elements from the iterator first.")
@@ -377,6 +398,19 @@ def check(fused, batches):
     fused._function.get_concrete_function(
         tf.nest.map_structure(tf.convert_to_tensor, batches), tf.constant(fused.steps))
     return fused.findings() + _python_state_findings(fused.step_fn, batches)
+
+
+def _loop_bodies(graph):
+    """The bodies of the v2 loops in ``graph`` and in the loops and conds nested in it."""
+    out, todo = [], [graph]
+    while todo:
+        for op in todo.pop().get_operations():
+            nested = [getattr(op, attr, None) for attr in ("_body_graph", "_true_graph",
+                                                           "_false_graph")]
+            if op.type in ("While", "StatelessWhile") and nested[0] is not None:
+                out.append(nested[0])
+            todo += [g for g in nested if g is not None]
+    return out
 
 
 def _python_state_findings(step_fn, batches):
@@ -396,21 +430,23 @@ def _python_state_findings(step_fn, batches):
     return findings
 
 
-def _capture_findings(body, written):
-    """Stale and frozen captures of the loop body (a FuncGraph)."""
+def _capture_findings(body, written, name="ms.tf2.fuse"):
+    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose."""
     findings = []
     try:
-        lint.check_captures(body, written, name="ms.tf2.fuse")
+        lint.check_captures(body, written, name=name)
     except lint.StaleForwardError as error:
         findings.append(Finding("stale", str(error)))
     for outer, inner in body.captures:
-        if not tf.is_symbolic_tensor(outer) and outer.dtype != tf.resource:
+        # (Only a float can be a value computed from the weights: integer labels, indices
+        # and flags captured eagerly are data, not a trap.)
+        if not tf.is_symbolic_tensor(outer) and outer.dtype.is_floating:
             findings.append(Finding("frozen", (
-                f"ms.tf2.fuse: the loop uses a value computed before the call "
+                f"{name}: the loop uses a value computed before the call "
                 f"(shape {outer.shape}, {outer.dtype.name}), captured as "
                 f"'{inner.op.name}': the same in every step and every call. Data may "
                 f"be; anything computed from the weights (a gradient, an L2 term) must "
-                f"be computed inside step_fn.")))
+                f"be computed inside the loop.")))
     return findings
 
 

@@ -221,6 +221,42 @@ def test_check_finds_nothing_in_a_correct_loop(layer):
     assert ms.tf2.check(ms.tf2.fuse(step, STEPS), (X[:STEPS], Y[:STEPS])) == []
 
 
+def test_check_takes_a_hand_written_tf_range_loop_and_names_the_line():
+    """Issue 29: check refused a user's own tf.function training loop, where the stale
+    trap lives for those who wrote the loop themselves. The logits computed once before
+    the loop are found, naming the line that built them; the loop that computes them
+    inside finds nothing."""
+    w = tf.Variable(tf.ones([4, 3]))
+    opt = keras.optimizers.SGD(0.1)
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def stale(n, x, y):
+        logits = x @ w  # built once, before the loop: every step reuses it
+        for _ in tf.range(n):
+            with tf.GradientTape() as tape:
+                tape.watch(w)
+                loss = xent(y, logits) + 0.0 * tf.reduce_sum(w)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+
+    @tf.function
+    def correct(n, x, y):
+        for _ in tf.range(n):
+            with tf.GradientTape() as tape:
+                loss = xent(y, x @ w)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+
+    line = stale.python_function.__code__.co_firstlineno + 2
+    findings = ms.tf2.check(stale, tf.constant(3), X[0], Y[0])
+    assert [f.kind for f in findings] == ["stale"], findings
+    assert f"at {__file__}:{line} (in stale)" in str(findings[0])
+    assert ms.tf2.check(correct, tf.constant(3), X[0], Y[0]) == []
+    with pytest.raises(TypeError, match="a tf.function with a loop"):
+        ms.tf2.check(lambda n: n, 3)
+    with pytest.raises(ValueError, match="has no tf.while_loop"):
+        ms.tf2.check(tf.function(lambda n: n + 1), tf.constant(3))
+
+
 def test_a_second_trace_is_refused_before_anything_runs():
     model, opt, step = keras_step("dense", "adam")
     fused = ms.tf2.fuse(step, STEPS)
