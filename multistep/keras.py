@@ -133,13 +133,22 @@ class StepHistory(keras.callbacks.Callback):
             for k, v in step_logs.items():
                 self.history.setdefault(k, []).append(v)
             self.steps.append(step + 1)
-            for callback in self.callbacks:
+            for callback in self.callbacks:  # (TensorBoard counts its steps at the begin)
+                callback.on_train_batch_begin(step, None)
                 callback.on_train_batch_end(step, step_logs)
             if self._writer is not None:
                 with self._writer.as_default():
                     for k, v in step_logs.items():
                         tf.summary.scalar(k, v, step=step + 1)
         self._read = count
+
+    def on_epoch_begin(self, epoch, logs=None):
+        for callback in self.callbacks:
+            callback.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        for callback in self.callbacks:
+            callback.on_epoch_end(epoch, logs)
 
     def on_train_end(self, logs=None):
         if self._writer is not None:

@@ -65,6 +65,36 @@ def test_every_inner_step_as_keras_reports_it_one_step_per_execution(tmp_path):
     assert points == [(s, l) for s, l in zip(range(1, 17), steps.history["loss"])]
 
 
+def _scalars(directory, prefix):
+    """{tag: [(step, value)]} of the scalars whose tag starts with ``prefix``."""
+    out = {}
+    for path in sorted(directory.rglob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.tag.startswith(prefix):
+                    out.setdefault(value.tag, []).append(
+                        (event.step, float(tf.make_ndarray(value.tensor))))
+    return out
+
+
+def test_a_tensorboard_callback_in_step_history_writes_every_step_at_its_index(tmp_path):
+    """Issue 29: keras.callbacks.TensorBoard(update_freq=1) in StepHistory(callbacks=...)
+    wrote all its batch points at step 0 and no epoch scalars. Against the same callback
+    on fit(steps_per_execution=1): the same batch_* points (step, value) and epoch_* ones."""
+    def board(name):
+        return keras.callbacks.TensorBoard(str(tmp_path / name), update_freq=1,
+                                           write_steps_per_second=False)
+
+    fit(compiled(1), [board("single")])
+    fit(compiled(4), [ms.keras.StepHistory(callbacks=[board("fused")])])
+    for prefix in ("batch_", "epoch_"):
+        want = _scalars(tmp_path / "single" / "train", prefix)
+        assert want and _scalars(tmp_path / "fused" / "train", prefix) == want, prefix
+    assert [s for s, _ in want["epoch_loss"]] == [0, 1]
+    assert [s for s, _ in _scalars(tmp_path / "single" / "train", "batch_")["batch_loss"]] == \
+        list(range(1, 17))
+
+
 class Losses(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
