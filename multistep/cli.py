@@ -118,7 +118,7 @@ def _parser():
     blobs.add_argument("--replicas", type=_positive, default=1, metavar="R",
                        help="train under MirroredStrategy over R logical CPU devices, each "
                             "replica its share of the points, gradients all-reduced every step "
-                            "(default 1: no strategy); needs --mode unrolled or auto")
+                            "(default 1: no strategy); needs a number of --steps")
     blobs.add_argument("--logdir", default=os.path.join("tensorboard_logs", "blobs"),
                        help="TensorBoard runs fused_N and single are (re)written here "
                             "(default tensorboard_logs/blobs)")
@@ -223,11 +223,9 @@ def _blobs(args):
     if (args.rule is None) != (args.modulus is None):
         print("multistep blobs: --rule compact-sgd and --modulus B go together", file=sys.stderr)
         return 2
-    if args.replicas > 1 and (args.mode == "while_loop" or args.steps == "auto"):
-        print("multistep blobs: --replicas needs --mode unrolled (or auto, which then picks it) "
-              "and a number of --steps (under a "
-              "strategy each step's all-reduce is a merge_call, which cannot run in a loop body)",
-              file=sys.stderr)
+    if args.replicas > 1 and args.steps == "auto":
+        print("multistep blobs: --replicas needs a number of --steps (--steps auto tunes the "
+              "run length on one device only, for now)", file=sys.stderr)
         return 2
     if args.replicas > 1:  # before TensorFlow makes its first session
         blobs.logical_cpus(args.replicas)

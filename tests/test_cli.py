@@ -210,6 +210,12 @@ def test_blobs_on_two_replicas(tmp_path):
     assert "max |Δ| = 0 (bitwise equal)" in out and ": OK" in out
 
 
-def test_blobs_replicas_need_unrolled_mode():
-    result = multistep("blobs", "--replicas", "2", "--mode", "while_loop")
-    assert result.returncode == 2 and "--replicas needs --mode unrolled (or auto" in result.stderr
+def test_blobs_on_two_replicas_in_loop_mode_and_steps_auto_refused():
+    """The replicas' steps, all-reduce included, as one loop body: verified bitwise. (It was
+    refused: the all-reduce's merge_call could not run in a loop body.)"""
+    result = multistep("blobs", "--replicas", "2", "--mode", "while_loop", "--steps", "3",
+                       "--runs", "2", "--optimizer", "adam", "--lr", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "max |Δ| = 0 (bitwise equal)" in result.stdout and ": OK" in result.stdout
+    result = multistep("blobs", "--replicas", "2", "--steps", "auto")
+    assert result.returncode == 2 and "--replicas needs a number of --steps" in result.stderr
