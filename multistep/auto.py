@@ -34,7 +34,6 @@ def choose(step, feed, label, *, in_replica_context):
     if feed.iterator is not None:
         return "unrolled", False, ("the inputs come from a tf.data iterator, and XLA does not "
                                    "compile IteratorGetNext (batch N steps at once to compile)")
-    _register_xla_kernels()
     names = step.names_now()
     step.guard.lift = step.xla = True
 
