@@ -377,8 +377,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             values, end, carried = core(template, roots, batches, links, count, steps, label,
                                         done)
         else:
-            program = tf.function(lambda: _compiled(core, template, roots, batches, links,
-                                                    count, steps, label, done),
+            program = tf.function(lambda: _program_body(core, template, roots, batches,
+                                                        links, count, steps, label, done),
                                   jit_compile=True, autograph=False)
             outputs = program()
     if xla:
@@ -406,7 +406,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     return Built(outputs, train_op, run_length, inputs, carried, copied, label, program)
 
 
-def _compiled(core, template, roots, batches, links, count, steps, label, done):
+def _program_body(core, template, roots, batches, links, count, steps, label, done):
     """The steps inside an XLA program: [its end (a value), each tensor root's values, each
     link's last value]."""
     values, end, carried = core(template, roots, batches, links, count, steps, label, done,

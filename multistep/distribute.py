@@ -20,7 +20,7 @@ import re
 
 import tensorflow as tf
 
-from multistep.unroll import Unrolled, positive_int
+from multistep.unroll import Unrolled, _per_replica, positive_int
 from multistep.unroll import unroll as _unroll
 
 __all__ = ["REDUCE", "WorkerLostError", "catch_lost_worker", "set_collective_timeout", "unroll"]
@@ -135,14 +135,6 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
                     records=records, global_step=first.global_step, summaries=first.summaries,
                     mode=first.mode, steps_per_run=first.steps_per_run,
                     _run_length=first._run_length, _batches_first=from_iterator)
-
-
-def _per_replica(values):
-    from tensorflow.python.distribute import (
-        values as values_lib,  # PerReplica: no public constructor
-    )
-
-    return values_lib.PerReplica(tuple(values))
 
 
 def _distributed(var_list, strategy):
