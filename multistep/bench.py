@@ -265,8 +265,10 @@ def _tf2_fused_method(jit):
     return method
 
 
-def _keras_method(problem, steps, timing, jit_compile=False):
+def _keras_method(problem, steps, timing, jit_compile=False, step_history=False):
     import keras
+
+    from multistep import keras as keras_lib
 
     inputs = keras.Input((problem.x.shape[1],))
     h = inputs
@@ -290,13 +292,15 @@ def _keras_method(problem, steps, timing, jit_compile=False):
             self.ends.append(time.perf_counter())
 
     clock = Clock()
+    # StepHistory before the clock: its per-execution read of the [N] logs is timed too.
+    callbacks = ([keras_lib.StepHistory()] if step_history else []) + [clock]
     model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
-              shuffle=False, callbacks=[clock])
+              shuffle=False, callbacks=callbacks)
     samples = []
     for _ in range(timing.repeats):
         clock.ends.clear()
         model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
-              shuffle=False, callbacks=[clock])
+                  shuffle=False, callbacks=callbacks)
         gaps = np.diff(clock.ends)[1:]
         samples.append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
     return samples
@@ -321,6 +325,9 @@ METHODS = {
     "ms.tf2.fuse+jit": _tf2_fused_method(True),
     "keras spe=N": _keras_method,
     "keras spe=N+jit": lambda problem, steps, timing: _keras_method(problem, steps, timing, True),
+    # The same fit with ms.keras.StepHistory() (every inner step's logs): what it costs.
+    "keras spe=N+StepHistory": lambda problem, steps, timing: _keras_method(
+        problem, steps, timing, step_history=True),
     "jax fori_loop": _jax_method(losses=False),
     "jax fori_loop+losses": _jax_method(losses=True),  # like ms.unroll: the [N] losses too
 }

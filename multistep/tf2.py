@@ -338,7 +338,8 @@ class Fused:
             return []
         body = self._bodies[-1]
         written = _written_variables(body)
-        return _capture_findings(body, written)
+        roots = _referenced(self.step_fn) + [self.optimizer]
+        return _capture_findings(body, written, constants=_held_constants(roots))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +371,10 @@ def check(fused, *args):
       message names the line that built it.
     - ``frozen``: the loop uses a float value captured from Python or eager code (a
       constant in every step and every call; harmless for data, wrong for anything
-      computed from the weights, such as a gradient or an L2 term computed eagerly).
+      computed from the weights, such as a gradient or an L2 term computed eagerly); the
+      message names the line that uses it. A tensor that an optimizer, a learning-rate
+      schedule or a layer holds as an attribute (a schedule's ``tf.cast(d_model,
+      tf.float32)``) is a constant it was built with, not reported.
     - ``python_state`` (``ms.tf2.fuse`` only): two traces of ``step_fn`` differ in a
       constant: Python state (a counter, a float attribute) that each trace freezes at
       its value then.
@@ -386,8 +390,9 @@ def check(fused, *args):
                              f"tf.while_loop (a `for` over tf.range, traced by AutoGraph) to "
                              f"check; a loop in Python runs once per step of its own.")
         name = f"{getattr(fused, '__name__', 'the function')}'s loop"
-        return [f for body in bodies
-                for f in _capture_findings(body, _written_variables(body), name=name)]
+        constants = _held_constants(_referenced(getattr(fused, "python_function", fused)))
+        return [f for body in bodies for f in _capture_findings(
+            body, _written_variables(body), name=name, constants=constants)]
     if len(args) != 1:
         raise TypeError("check(fused, batches): the batches, one argument.")
     [batches] = args
@@ -430,8 +435,9 @@ def _python_state_findings(step_fn, batches):
     return findings
 
 
-def _capture_findings(body, written, name="ms.tf2.fuse"):
-    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose."""
+def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
+    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose;
+    ``constants``: ids of eager tensors that are constants by design (``_held_constants``)."""
     findings = []
     try:
         lint.check_captures(body, written, name=name)
@@ -440,13 +446,15 @@ def _capture_findings(body, written, name="ms.tf2.fuse"):
     for outer, inner in body.captures:
         # (Only a float can be a value computed from the weights: integer labels, indices
         # and flags captured eagerly are data, not a trap.)
-        if not tf.is_symbolic_tensor(outer) and outer.dtype.is_floating:
-            findings.append(Finding("frozen", (
-                f"{name}: the loop uses a value computed before the call "
-                f"(shape {outer.shape}, {outer.dtype.name}), captured as "
-                f"'{inner.op.name}': the same in every step and every call. Data may "
-                f"be; anything computed from the weights (a gradient, an L2 term) must "
-                f"be computed inside the loop.")))
+        if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
+            continue
+        used = next((where for where in map(lint.built_at, inner.consumers()) if where), "")
+        findings.append(Finding("frozen", (
+            f"{name}: the loop uses a value computed before the call (shape {outer.shape}, "
+            f"{outer.dtype.name}), captured as '{inner.op.name}'{used}: the same in every "
+            f"step and every call. Data may be; anything computed from the weights (a "
+            f"gradient, an L2 term) must be computed inside the loop. (A value an optimizer, "
+            f"a schedule or a layer holds as an attribute is a constant, not reported.)")))
     return findings
 
 
@@ -468,22 +476,62 @@ def _written_variables(body):
     return written
 
 
-def _find_optimizer(step_fn):
-    """The optimizer ``step_fn`` uses, where it is the one object with an ``iterations``
-    variable among the names it refers to (its closure, the globals it names, ``self``
-    of a bound method and that object's ``optimizer``); else None."""
-    code = getattr(step_fn, "__code__", None)
-    found = [c.cell_contents for c in getattr(step_fn, "__closure__", None) or ()
+def _referenced(fn):
+    """The objects ``fn`` refers to: its closure, the globals it names, and ``self`` of a
+    bound method with that object's ``optimizer``."""
+    code = getattr(fn, "__code__", None)
+    found = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
              if _has_cell_contents(c)]
     if code is not None:
-        scope = getattr(step_fn, "__globals__", {})
+        scope = getattr(fn, "__globals__", {})
         found += [scope[n] for n in code.co_names if n in scope]
-    owner = getattr(step_fn, "__self__", None)
+    owner = getattr(fn, "__self__", None)
     if owner is not None:
         found += [owner, getattr(owner, "optimizer", None)]
-    optimizers = {id(o): o for o in found
+    return found
+
+
+def _find_optimizer(step_fn):
+    """The optimizer ``step_fn`` uses, where it is the one object with an ``iterations``
+    variable among the objects it refers to (``_referenced``); else None."""
+    optimizers = {id(o): o for o in _referenced(step_fn)
                   if hasattr(getattr(o, "iterations", None), "assign_add")}
     return next(iter(optimizers.values())) if len(optimizers) == 1 else None
+
+
+def _held_constants(roots, depth=4):
+    """The ids of the eager tensors that an optimizer, a learning-rate schedule, a layer or
+    a ``tf.Module`` among ``roots`` (or that the functions among them refer to) holds as an
+    attribute, theirs in turn: values they were
+    built with (a Transformer schedule's ``tf.cast(d_model, tf.float32)``), constants of
+    every step by design, not values computed from the weights before the loop."""
+    import keras  # (Keras 3: the objects a TF2 step holds)
+
+    kinds = (keras.optimizers.Optimizer, keras.optimizers.schedules.LearningRateSchedule,
+             keras.layers.Layer, tf.Module)
+    def functions(value):  # a function the step calls: what it refers to is the step's
+        return inspect.isfunction(value) or inspect.ismethod(value)
+
+    roots = [r for r in roots if isinstance(r, kinds) or functions(r)]
+    held, seen, todo = set(), set(), [(r, 0) for r in roots]
+    while todo:
+        obj, level = todo.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kinds):
+            values = list(vars(obj).values())
+        elif functions(obj):
+            values = _referenced(obj)
+        else:
+            values = list(obj.values()) if isinstance(obj, dict) else list(obj)
+        for value in values:
+            if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
+                if not functions(obj):  # (a tensor a function refers to itself may be a trap)
+                    held.add(id(value))
+            elif isinstance(value, (*kinds, list, tuple, dict)) or functions(value):
+                todo.append((value, level + 1))
+    return held
 
 
 def _positional_parameters(step_fn):

@@ -196,6 +196,68 @@ def test_check_reports_a_frozen_eager_value():
     findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS, 2]))
     assert [f.kind for f in findings] == ["frozen"], findings
     assert "shape (2,), float32" in str(findings[0])
+    line = step.__code__.co_firstlineno + 1  # where the loop uses it
+    assert f"at {__file__}:{line} (in step)" in str(findings[0])
+
+    @tf.function
+    def loop(n):  # the same step in a hand-written loop: found through the function it calls
+        for _ in tf.range(n):
+            step(1.0)
+    assert [f.kind for f in ms.tf2.check(loop, tf.constant(2))] == ["frozen"]
+
+
+class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """The Transformer tutorial's schedule, as written there: ``d_model`` held as an eager
+    float tensor, which the fused loop captures."""
+
+    def __init__(self, d_model, warmup_steps=4000):
+        self.d_model = tf.cast(d_model, tf.float32)
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step):
+        step = tf.cast(step, dtype=tf.float32)
+        arg1 = tf.math.rsqrt(step)
+        arg2 = step * (self.warmup_steps ** -1.5)
+        return tf.math.rsqrt(self.d_model) * tf.math.minimum(arg1, arg2)
+
+
+def test_a_transformer_schedule_is_a_constant_not_a_finding_and_fuses_bitwise():
+    """Issue 29: check reported the schedule's ``tf.cast(d_model)`` as frozen, named after
+    Adam's op. A tensor the optimizer's schedule holds is a constant by design: no
+    finding, through fuse or a hand-written loop; fused bitwise with single calls."""
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = keras.optimizers.Adam(TransformerSchedule(64), beta_2=0.98, epsilon=1e-9)
+        xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def step(batch):
+            x, y = batch
+            with tf.GradientTape() as tape:
+                loss = xent(y, model(x))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+        return model, step
+
+    model, step = build()
+    fused = ms.tf2.fuse(step, STEPS)
+    assert ms.tf2.check(fused, (X[:STEPS], Y[:STEPS])) == []
+
+    @tf.function
+    def loop(x, y):
+        for k in tf.range(STEPS):
+            step((x[k], y[k]))
+    assert ms.tf2.check(loop, X[:STEPS], Y[:STEPS]) == []
+
+    model, step = build()
+    got = ms.tf2.fuse(step, STEPS)((X[:STEPS], Y[:STEPS]))["loss"].numpy()
+    reference, single = build()
+    single = tf.function(single)
+    want = np.array([single((X[k], Y[k])).numpy() for k in range(STEPS)])
+    assert got.tobytes() == want.tobytes(), (got, want)
+    for a, b in zip(model.variables, reference.variables):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), a.path
 
 
 def test_check_reports_python_state_that_each_trace_freezes():
