@@ -62,7 +62,11 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
       step's variables include a Keras optimizer's ``iteration``). ``batches``: a nest
       of tensors whose leading dimension is N (step k takes slice k), or a
       ``tf.data`` iterator (N elements, in order; fewer if it runs out: ``n`` is then
-      the number taken, said by a warning, with no retrace).
+      the number taken, said by a warning, with no retrace). An element whose shapes
+      differ from the fused steps' (a short last batch, a ``padded_batch`` of its own
+      length) ends the call: it runs as one single step traced for its shapes, as a
+      single-step ``tf.function`` retraces for it, and a warning says so (under a
+      strategy: a ``ValueError`` naming it, after the steps before it).
 
     Example:
       >>> import tensorflow as tf, multistep as ms
@@ -114,6 +118,7 @@ class Fused:
         self._positional = _positional_parameters(step_fn)
         self._traces = 0
         self._signature = None  # the batches' TensorSpecs of the first call
+        self._single = None  # one step, for an element of other shapes (_call_iterator)
         self._function = tf.function(self._program, jit_compile=jit_compile, autograph=False)
 
     def __call__(self, batches):
@@ -160,8 +165,9 @@ class Fused:
     def _call_iterator(self, iterator):
         """The next N elements of ``iterator`` as one block. An element whose shapes
         differ from the block's (a short last batch of ``batch(n)``, a ``padded_batch``
-        padded to its own longest) ends the block there: the steps before it run, then
-        a ValueError names it. Nothing past it is taken from the iterator."""
+        padded to its own longest) ends the block: the steps before it run fused, then it
+        runs as one single step traced for its shapes (as a single-step ``tf.function``
+        retraces for it), with a warning. Nothing past it is taken from the iterator."""
         elements, odd = [], None
         for _ in range(self.steps):
             element = iterator.get_next_as_optional()
@@ -175,6 +181,8 @@ class Fused:
         count = len(elements)
         if count == 0 and odd is None:
             raise tf.errors.OutOfRangeError(None, None, "ms.tf2.fuse: the input is exhausted.")
+        if odd is not None and self.strategy is not None:
+            raise ValueError(self._odd_message(odd, elements, count))
         out = {}
         if count:
             if count < self.steps and odd is None:
@@ -186,18 +194,30 @@ class Fused:
             batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *padded)
             out = {key: value[:count] for key, value in self._run(batches, count).items()}
         if odd is not None:
-            shapes = [tuple(t.shape) for t in tf.nest.flatten(odd)]
-            want = ([tuple(t.shape) for t in tf.nest.flatten(elements[0])] if elements else
-                    [tuple(spec.shape[1:]) for spec in tf.nest.flatten(self._signature)])
-            raise ValueError(
-                f"ms.tf2.fuse: the input's next element has shapes {shapes}, where the fused "
-                f"steps take {want}: a short last batch (batch(n) keeps one; "
-                f"batch(n, drop_remainder=True) drops it) or variable-length batches "
-                f"(padded_batch pads each to its own longest: give padded_shapes= a fixed "
-                f"length). This call ran the {count} step(s) before it; that element was taken "
-                f"from the iterator and not trained (run it through a single-step "
-                f"tf.function), and nothing after it was taken.")
+            warnings.warn(self._odd_message(odd, elements, count), RuntimeWarning, stacklevel=3)
+            if self._single is None:
+                self._single = tf.function(self._outputs, jit_compile=self.jit_compile,
+                                           autograph=False)
+            one = self._single(odd)
+            out = {key: tf.concat([out[key], value[None]], 0) if key in out else value[None]
+                   for key, value in one.items()}
         return out
+
+    def _odd_message(self, odd, elements, count):
+        shapes = [tuple(t.shape) for t in tf.nest.flatten(odd)]
+        want = ([tuple(t.shape) for t in tf.nest.flatten(elements[0])] if elements else
+                [tuple(spec.shape[1:]) for spec in tf.nest.flatten(self._signature)])
+        what = (f"ms.tf2.fuse: the input's next element has shapes {shapes}, where the fused "
+                f"steps take {want}: a short last batch (batch(n, drop_remainder=True) drops "
+                f"it) or variable-length batches (padded_batch pads each to its own longest: "
+                f"give padded_shapes= a fixed length). ")
+        if self.strategy is not None:
+            return what + (f"Under a strategy it is not trained: this call ran the {count} "
+                           f"step(s) before it, that element was taken from the iterator and "
+                           f"nothing after it was.")
+        return what + (f"This call ran the {count} step(s) before it fused, then that element "
+                       f"as one single step traced for its shapes (as a single-step "
+                       f"tf.function retraces for it); nothing after it was taken.")
 
     def _fits(self, element, first):
         """Whether ``element`` has the shapes of ``first`` (the block's first element) and
@@ -253,7 +273,10 @@ class Fused:
         return {key: tf.cast(table[:, j], dtype) for j, (key, dtype) in enumerate(kinds.items())}
 
     def _step(self, batches, k):
-        batch = tf.nest.map_structure(lambda t: tf.gather(t, k), batches)
+        return self._outputs(tf.nest.map_structure(lambda t: tf.gather(t, k), batches))
+
+    def _outputs(self, batch):
+        """step_fn on ``batch``: its outputs as a dict of scalars, with ``"iteration"``."""
         try:
             returned = (self._call(batch) if self.strategy is None
                         else self._replicated(batch))
