@@ -53,7 +53,9 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
         split evenly in replica order), and the step's outputs are reduced across the
         replicas with ``reduce`` (``"sum"``: what a loss scaled by the global batch size,
         ``tf.nn.compute_average_loss``, adds up to; or ``"mean"``). Without XLA:
-        ``jit_compile=True`` under a strategy is refused.
+        ``jit_compile=True`` under a strategy is refused. ``batches`` may then be a
+        distributed iterator (``iter(strategy.experimental_distribute_dataset(ds))``):
+        each element holds every replica's part, and replica r takes its part of step k.
 
     Returns:
       A ``Fused``: ``fused(batches)`` runs the steps and returns a dict of ``[n]``
@@ -122,6 +124,10 @@ class Fused:
         self._function = tf.function(self._program, jit_compile=jit_compile, autograph=False)
 
     def __call__(self, batches):
+        if isinstance(batches, tf.distribute.DistributedIterator) and self.strategy is None:
+            raise TypeError("ms.tf2.fuse: a distributed iterator (iter(strategy."
+                            "experimental_distribute_dataset(...))) needs the strategy: "
+                            "fuse(step_fn, N, strategy=strategy).")
         if _is_iterator(batches):
             return self._call_iterator(batches)
         if batches is None or isinstance(batches, tf.data.Dataset) or inspect.isgenerator(batches):
@@ -135,8 +141,9 @@ class Fused:
         return self._run(batches)
 
     def _run(self, batches, count=None):
-        batches = tf.nest.map_structure(tf.convert_to_tensor, batches)
-        signature = tf.nest.map_structure(tf.TensorSpec.from_tensor, batches)
+        batches = tf.nest.map_structure(
+            lambda t: t if _is_distributed(t) else tf.convert_to_tensor(t), batches)
+        signature = tf.nest.map_structure(tf.type_spec_from_value, batches)
         if self._signature is None:
             self._signature = signature
         elif signature != self._signature:
@@ -191,7 +198,7 @@ class Fused:
             # The same shapes as a full block (no retrace): the missing steps repeat the
             # last element and are not run (the loop stops at count).
             padded = elements + [elements[-1]] * (self.steps - count)
-            batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *padded)
+            batches = self._stack(padded)
             out = {key: value[:count] for key, value in self._run(batches, count).items()}
         if odd is not None:
             warnings.warn(self._odd_message(odd, elements, count), RuntimeWarning, stacklevel=3)
@@ -203,10 +210,24 @@ class Fused:
                    for key, value in one.items()}
         return out
 
+    def _stack(self, elements):
+        """N elements as one block, each tensor with a leading dimension N; elements of a
+        distributed iterator (values per replica): each replica's N parts stacked, as
+        values per replica again."""
+        if not any(_is_distributed(t) for t in tf.nest.flatten(elements[0])):
+            return tf.nest.map_structure(lambda *xs: tf.stack(xs), *elements)
+        local = self.strategy.experimental_local_results
+        stacked = [tf.nest.map_structure(lambda *xs: tf.stack([local(x)[r] for x in xs]),
+                                         *elements)
+                   for r in range(self.strategy.num_replicas_in_sync)]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: stacked[context.replica_id_in_sync_group])
+
     def _odd_message(self, odd, elements, count):
-        shapes = [tuple(t.shape) for t in tf.nest.flatten(odd)]
-        want = ([tuple(t.shape) for t in tf.nest.flatten(elements[0])] if elements else
-                [tuple(spec.shape[1:]) for spec in tf.nest.flatten(self._signature)])
+        shapes = [tuple(shape) for shape in _shapes(odd)]
+        want = ([tuple(shape) for shape in _shapes(elements[0])] if elements else
+                [tuple(spec.shape[1:])
+                 for spec in tf.nest.flatten(self._signature, expand_composites=True)])
         what = (f"ms.tf2.fuse: the input's next element has shapes {shapes}, where the fused "
                 f"steps take {want}: a short last batch (batch(n, drop_remainder=True) drops "
                 f"it) or variable-length batches (padded_batch pads each to its own longest: "
@@ -222,11 +243,12 @@ class Fused:
     def _fits(self, element, first):
         """Whether ``element`` has the shapes of ``first`` (the block's first element) and
         of the steps traced so far."""
-        shapes = [t.shape for t in tf.nest.flatten(element)]
-        if first is not None and shapes != [t.shape for t in tf.nest.flatten(first)]:
+        shapes = _shapes(element)
+        if first is not None and shapes != _shapes(first):
             return False
         if self._signature is not None:
-            traced = [spec.shape[1:] for spec in tf.nest.flatten(self._signature)]
+            traced = [spec.shape[1:]
+                      for spec in tf.nest.flatten(self._signature, expand_composites=True)]
             return len(traced) == len(shapes) and all(
                 a.is_compatible_with(b) for a, b in zip(traced, shapes))
         return True
@@ -273,13 +295,16 @@ class Fused:
         return {key: tf.cast(table[:, j], dtype) for j, (key, dtype) in enumerate(kinds.items())}
 
     def _step(self, batches, k):
+        if any(_is_distributed(t) for t in tf.nest.flatten(batches)):  # each replica its own
+            return self._outputs(batches, k)
         return self._outputs(tf.nest.map_structure(lambda t: tf.gather(t, k), batches))
 
-    def _outputs(self, batch):
-        """step_fn on ``batch``: its outputs as a dict of scalars, with ``"iteration"``."""
+    def _outputs(self, batch, k=None):
+        """step_fn on ``batch``: its outputs as a dict of scalars, with ``"iteration"``
+        (``k``: ``batch`` holds values per replica of N steps, and this is step k)."""
         try:
             returned = (self._call(batch) if self.strategy is None
-                        else self._replicated(batch))
+                        else self._replicated(batch, k))
         except tf.errors.OperatorNotAllowedInGraphError as error:
             raise TypeError(
                 f"ms.tf2.fuse traces step_fn without AutoGraph (autograph=False), so a Python "
@@ -333,10 +358,18 @@ class Fused:
                 f"(model.build(...) or one call) and the optimizer "
                 f"(optimizer.build(model.trainable_variables)).") from failed
 
-    def _replicated(self, batch):
-        """``strategy.run(step_fn)`` on this step's batch, replica r taking its share; the
-        outputs reduced across the replicas."""
+    def _replicated(self, batch, k=None):
+        """``strategy.run(step_fn)`` on this step's batch, replica r taking its share (``k``:
+        ``batch`` is a distributed iterator's N elements, values per replica, and replica r
+        takes its part of element k); the outputs reduced across the replicas."""
         strategy = self.strategy
+        how = tf.distribute.ReduceOp.SUM if self.reduce == "sum" else tf.distribute.ReduceOp.MEAN
+        if k is not None:
+            per_replica = strategy.run(
+                lambda part: self._call(tf.nest.map_structure(lambda t: tf.gather(t, k), part)),
+                (batch,))
+            return tf.nest.map_structure(lambda v: strategy.reduce(how, v, axis=None),
+                                         per_replica)
         replicas = strategy.num_replicas_in_sync
 
         def share(context):
@@ -352,7 +385,6 @@ class Fused:
 
         per_replica = strategy.run(
             self._call, (strategy.experimental_distribute_values_from_function(share),))
-        how = tf.distribute.ReduceOp.SUM if self.reduce == "sum" else tf.distribute.ReduceOp.MEAN
         return tf.nest.map_structure(lambda v: strategy.reduce(how, v, axis=None), per_replica)
 
     def findings(self):
@@ -578,8 +610,19 @@ def _has_cell_contents(cell):
     return True
 
 
+def _is_distributed(value):
+    """A value per replica (of a distributed iterator or dataset)."""
+    return isinstance(value, tf.types.experimental.distributed.PerReplica)
+
+
+def _shapes(element):
+    """The shapes of ``element``'s tensors (of every replica's part, for values per
+    replica)."""
+    return [t.shape for t in tf.nest.flatten(element, expand_composites=True)]
+
+
 def _is_iterator(value):
-    return isinstance(value, tf.data.Iterator)
+    return isinstance(value, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
 def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=None, atol=0.0):

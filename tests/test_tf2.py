@@ -435,6 +435,16 @@ want = np.array([single(X[i], Y[i]).numpy() for i in range(8)])
 assert np.array_equal(got, want), (got, want)
 for a, b in zip(got_values, [v.numpy() for v in reference.variables + ref_opt.variables]):
     assert np.array_equal(a, b)
+# A distributed iterator: each element holds every replica's part (rows 4r..4r+3).
+model, opt, step = build()
+fused = ms.tf2.fuse(step, 4, strategy=strategy)
+data = tf.data.Dataset.from_tensor_slices((X.reshape(64, 4), Y.reshape(64))).batch(8)
+iterator = iter(strategy.experimental_distribute_dataset(data))
+got = np.concatenate([fused(iterator)["loss"].numpy() for _ in range(2)])
+assert np.array_equal(got, want), (got, want)
+for a, b in zip([v.numpy() for v in model.variables + opt.variables],
+                [v.numpy() for v in reference.variables + ref_opt.variables]):
+    assert np.array_equal(a, b)
 model, opt, step = build(ready=False)
 try:
     ms.tf2.fuse(step, 4, strategy=strategy)((X[:4], Y[:4]))
@@ -534,6 +544,9 @@ def test_inputs_fuse_cannot_take_are_refused_by_name():
     with pytest.raises(TypeError, match="optimizer must be the optimizer step_fn applies.*got "
                                         "Sequential: pass model.optimizer"):
         ms.tf2.fuse(step, STEPS, optimizer=model)
+    one = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with pytest.raises(TypeError, match="distributed iterator.*needs the strategy"):
+        fused(iter(one.experimental_distribute_dataset(data.batch(2))))
 
     def branching(batch):
         if tf.reduce_sum(batch) > 0:  # a Python if on a tensor: needs AutoGraph
