@@ -2,14 +2,15 @@
 
 With ``steps_per_execution=N`` Keras runs N steps per call of its compiled train function
 and calls the callbacks once per call, with the logs of the last step. ``StepHistory``
-keeps what each inner step's logs were: its ``train_step`` writes them into ``[N]``
-buffers inside the compiled execution, and the callback reads the buffers once per
-execution.
+keeps what each inner step's logs were: its ``train_step`` writes them into row k % N of
+an ``[N, 1 + logs]`` buffer inside the compiled execution (one scatter a step), and the
+callback reads the buffer once per execution (one read).
 """
 
 import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["StepHistory"]
@@ -21,7 +22,7 @@ class StepHistory(keras.callbacks.Callback):
     Why a callback: ``fit`` stays the user's own (its data handling, distribution,
     callbacks and checkpoints); the callback only wraps ``model.train_step`` so that each
     step also writes its logs (the values Keras would report after that step with
-    ``steps_per_execution=1``) into an ``[N]`` buffer, which it reads once per execution.
+    ``steps_per_execution=1``) into a buffer of N rows, which it reads once per execution.
     Training is unchanged: the writes read the logs, and nothing reads the buffers inside.
 
     Args:
@@ -60,7 +61,7 @@ class StepHistory(keras.callbacks.Callback):
             raise TypeError(f"StepHistory: log_dir must be a directory path, got {log_dir!r}.")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.history, self.steps = {}, []
-        self._buffers = self._count = None
+        self._buffer = self._count = self._keys = None
         self._spe = None  # the steps per execution the buffers hold
         self._offset = 0  # steps counted in buffers made before the current ones
         self._read = 0  # steps read from the current buffers
@@ -90,7 +91,7 @@ class StepHistory(keras.callbacks.Callback):
             return
         if self._spe is not None and spe != self._spe:  # new buffers, sized for the new N
             self._offset += self._read
-            self._read, self._buffers, self._count = 0, None, None
+            self._read, self._buffer, self._count = 0, None, None
         self._spe = spe
         model.train_step = self._wrapped(self._original)
         model.train_function = None  # made again, with this train_step
@@ -98,21 +99,26 @@ class StepHistory(keras.callbacks.Callback):
     def _wrapped(self, original):
         def train_step(data):
             logs = original(data)
-            scalars = {k: v for k, v in logs.items() if tf.convert_to_tensor(v).shape.rank == 0}
-            if self._buffers is None:  # at the first trace: eager variables, not the trace's
+            if self._buffer is None:  # at the first trace: eager variables, not the trace's
+                self._keys = [k for k, v in logs.items()
+                              if tf.convert_to_tensor(v).shape.rank == 0]
                 with tf.init_scope():
-                    self._buffers = {k: tf.Variable(tf.zeros([self._spe], tf.float32),
-                                                    trainable=False, name=f"step_history_{k}")
-                                     for k in scalars}
+                    # Row k % N: [the step's number, its scalars], float64 (exact for
+                    # float32 values and for step numbers below 2^53).
+                    self._buffer = tf.Variable(
+                        tf.zeros([self._spe, 1 + len(self._keys)], tf.float64),
+                        trainable=False, name="step_history")
                     self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                               name="step_history_count")
-            at = tf.math.floormod(self._count, self._spe)
-            writes = [self._buffers[k].scatter_nd_update(
-                [[at]], [tf.cast(v, tf.float32)]) for k, v in scalars.items() if k in self._buffers]
-            with tf.control_dependencies(writes):
-                counted = self._count.assign_add(1)
-            with tf.control_dependencies([counted]):
-                return {k: tf.identity(v) for k, v in logs.items()}
+            # The fewest ops a step: this adds to the step what the callback then reads
+            # once an execution (one read of one variable).
+            number = self._count.assign_add(1)
+            row = tf.stack([tf.cast(number, tf.float64)]
+                           + [tf.cast(logs[k], tf.float64) for k in self._keys])
+            tf.raw_ops.ResourceScatterUpdate(resource=self._buffer.handle,
+                                             indices=tf.math.floormod(number - 1, self._spe),
+                                             updates=row)
+            return logs  # (the writes run: the train function's automatic control deps)
         return train_step
 
     def on_train_begin(self, logs=None):
@@ -122,17 +128,23 @@ class StepHistory(keras.callbacks.Callback):
             callback.on_train_begin(logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._buffers is None:
+        if self._buffer is None:
             return
-        count = int(self._count.numpy())
-        values = {k: v.numpy() for k, v in self._buffers.items()}
-        for j in range(count - self._read):
-            step = self._offset + self._read + j  # 0-based over every fit
-            slot = (self._read + j) % self._spe
-            step_logs = {k: float(values[k][slot]) for k in values}
-            for k, v in step_logs.items():
-                self.history.setdefault(k, []).append(v)
-            self.steps.append(step + 1)
+        # The last N steps: [number, scalars...] at row number % N. (One read op: a
+        # variable's .numpy() also copies it through an Identity, twice the cost.)
+        rows = tf.raw_ops.ReadVariableOp(resource=self._buffer.handle, dtype=tf.float64).numpy()
+        count = int(rows[:, 0].max())
+        numbers = np.arange(self._read + 1, count + 1)  # this execution's steps, 1-based
+        values = rows[(numbers - 1) % self._spe, 1:].astype(np.float32)
+        for j, k in enumerate(self._keys):
+            self.history.setdefault(k, []).extend(values[:, j].tolist())
+        self.steps.extend((self._offset + numbers).tolist())
+        self._read = count
+        if not self.callbacks and self._writer is None:
+            return
+        for number, row in zip(numbers.tolist(), values.tolist()):
+            step = self._offset + number - 1  # 0-based over every fit
+            step_logs = dict(zip(self._keys, row))
             for callback in self.callbacks:  # (TensorBoard counts its steps at the begin)
                 callback.on_train_batch_begin(step, None)
                 callback.on_train_batch_end(step, step_logs)
@@ -140,7 +152,6 @@ class StepHistory(keras.callbacks.Callback):
                 with self._writer.as_default():
                     for k, v in step_logs.items():
                         tf.summary.scalar(k, v, step=step + 1)
-        self._read = count
 
     def on_epoch_begin(self, epoch, logs=None):
         for callback in self.callbacks:
