@@ -158,6 +158,9 @@ class Fused:
                 self._trace_without_creating_variables(batches, count)
             else:
                 self._function.get_concrete_function(batches, count)
+            if self.jit_compile:
+                _warn_convolutions_under_xla(
+                    self._function.get_concrete_function(batches, count).graph)
             if self._check:
                 findings = [f for f in self.findings() if f.stale]
                 if findings:
@@ -608,6 +611,28 @@ def _has_cell_contents(cell):
     except ValueError:  # an empty cell
         return False
     return True
+
+
+# Convolutions: XLA compiles them with its own CPU kernels, not oneDNN's.
+_CONVOLUTIONS = frozenset({
+    "Conv", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
+    "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
+
+
+def _warn_convolutions_under_xla(graph):
+    """jit_compile=True on the CPU over a step with convolutions: say what it costs."""
+    if tf.config.list_logical_devices("GPU"):
+        return
+    found = sorted({node.op for node in lint.program_nodes(graph)} & _CONVOLUTIONS)
+    if found:
+        warnings.warn(
+            f"ms.tf2.fuse: jit_compile=True on the CPU over a step with convolutions "
+            f"({', '.join(found)}): XLA compiles them with its own CPU kernels, which round "
+            f"otherwise than TensorFlow's (fused XLA steps are bitwise with single XLA "
+            f"steps, not with plain ones) and can be several times slower (4-5x on a conv "
+            f"autoencoder here: benchmarks/tf2_conv.py). Time it both ways; jit_compile=False keeps "
+            f"TensorFlow's kernels.", RuntimeWarning, stacklevel=4)
 
 
 def _is_distributed(value):

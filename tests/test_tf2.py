@@ -467,6 +467,32 @@ def test_under_a_mirrored_strategy_bitwise_the_single_strategy_run_steps():
     assert result.returncode == 0 and "bitwise" in result.stdout, result.stderr[-3000:]
 
 
+def test_jit_over_convolutions_on_the_cpu_says_what_it_costs():
+    """Issue 29: XLA's CPU convolutions are not bitwise with TensorFlow's and were 2.4x to
+    10x slower on conv models here: fuse(jit_compile=True) says so, once, at its trace."""
+    def conv_step():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3)])
+        opt = keras.optimizers.SGD(0.1)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+        return step
+
+    batches = tf.ones([2, 1, 4, 4, 1])
+    with pytest.warns(RuntimeWarning, match=r"jit_compile=True on the CPU over a step with "
+                                            r"convolutions \(Conv2D, Conv2DBackpropFilter.*several "
+                                            r"times slower"):
+        ms.tf2.fuse(conv_step(), 2, jit_compile=True)(batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ms.tf2.fuse(conv_step(), 2)(batches)
+
+
 def test_jit_under_a_strategy_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="jit_compile=True under a tf.distribute strategy"):
         ms.tf2.fuse(lambda batch: batch, 2, jit_compile=True,
