@@ -480,14 +480,14 @@ def _python_state_findings(step_fn, batches):
     batch = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), batches)
     graphs = [tf.function(step_fn, autograph=False).get_concrete_function(batch).graph
               for _ in range(2)]
-    constants = [[(op.name, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
+    constants = [[(op, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
                   if op.type == "Const"] for g in graphs]
     findings = []
-    for (name, a), (_, b) in zip(*constants):
+    for (op, a), (_, b) in zip(*constants):
         if a.shape != b.shape or not np.array_equal(a, b):
             findings.append(Finding("python_state", (
-                f"step_fn's constant '{name}' was {a.tolist()} in one trace and {b.tolist()} "
-                f"in the next: Python state read in step_fn (a counter, an attribute) is "
+                f"step_fn's constant '{op.name}'{lint.built_at(op)} was {a.tolist()} in one "
+                f"trace and {b.tolist()} in the next: Python state read in step_fn (a counter, an attribute) is "
                 f"frozen at each trace, so every fused step reuses one value. Keep it in a "
                 f"tf.Variable and update it inside step_fn.")))
     return findings

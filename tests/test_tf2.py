@@ -275,6 +275,8 @@ def test_check_reports_python_state_that_each_trace_freezes():
     findings = ms.tf2.check(ms.tf2.fuse(step, STEPS), tf.ones([STEPS]))
     assert [f.kind for f in findings] == ["python_state"], findings
     assert "in one trace and" in str(findings[0])
+    line = step.__code__.co_firstlineno + 3  # the line that reads it
+    assert f"at {__file__}:{line} (in step)" in str(findings[0])
 
 
 @pytest.mark.parametrize("layer", ["dense", "batch_norm", "dropout"])
