@@ -83,7 +83,7 @@ def check_transforms(grad_transforms):
                             f"(grads_and_vars, step) -> grads_and_vars, got {t!r}.")
     if not grad_transforms:
         return None
-    return transforms.chain(*grad_transforms)  # (run after dedupe_sparse: apply_deduped)
+    return transforms.chain(*grad_transforms)
 
 
 def as_tf_variable(value):

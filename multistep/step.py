@@ -152,7 +152,7 @@ class Step:
         if self.transform is not None:
             with self.guard.scope("transform"):
                 now = None if self.global_step is None else self.global_step.read_value()
-                grads_and_vars = transforms.apply_deduped(self.transform, grads_and_vars, now)
+                grads_and_vars = transforms.apply_transform(self.transform, grads_and_vars, now)
         outputs = {"loss": tf.cast(loss, tf.float32), **(extra or {})}
         if self.record:
             with self.guard.scope("record"):

@@ -10,10 +10,11 @@ before ``apply_gradients``.
 
 Sparse gradients (``tf.IndexedSlices``, from ``tf.gather`` or embedding
 lookups) carry one row per lookup, so an index looked up twice arrives as two
-rows. ``dedupe_sparse`` sums them per index; ``ms.unroll`` runs it before any
-other transform, and the clipping transforms sum their own sparse input too, so
-every cap and norm sees the rows that will really be applied. A gradient the
-transforms return unchanged reaches the optimizer unsummed (``apply_deduped``).
+rows. ``dedupe_sparse`` sums them per index, and every transform here sums its own
+sparse input first, so every cap and norm sees the rows that will really be applied.
+``ms.unroll`` gives the transforms the gradients as ``compute_gradients`` returned them,
+rows unsummed, as a single step's code between compute and apply sees them: a transform
+you write (``tf.clip_by_global_norm`` over the list) computes what it computes there.
 """
 
 import numbers
@@ -21,7 +22,7 @@ import zlib
 
 import tensorflow as tf
 
-__all__ = ["add_noise", "apply_deduped", "apply_transform", "chain", "clip_by_global_norm", "clip_by_norm",
+__all__ = ["add_noise", "apply_transform", "chain", "clip_by_global_norm", "clip_by_norm",
            "clip_by_value", "dedupe_sparse", "scale"]
 
 
@@ -240,22 +241,6 @@ def chain(*transforms):
 
 def _name(transform):
     return getattr(transform, "__name__", repr(transform))
-
-
-def apply_deduped(transform, grads_and_vars, step):
-    """``transform`` (checked, as ``apply_transform``) applied to ``grads_and_vars`` with
-    the rows of repeated sparse indices summed first (``dedupe_sparse``: caps and norms
-    see the rows that will really be applied). A gradient it returns unchanged goes on
-    as it came, rows unsummed: a transform that does nothing then leaves the apply
-    bitwise as it is without one. (Summed or not, the rows move the variable alike in
-    exact arithmetic, but an optimizer's sparse apply sums them its own way:
-    GradientDescent scatter-adds each row in turn, the others sum them as
-    ``dedupe_sparse`` does; summed first, GradientDescent on a PTB-style model came out
-    2 ulp away.)"""
-    deduped = dedupe_sparse(grads_and_vars)
-    out = apply_transform(transform, deduped, step)
-    return [(before if after is summed else after, v)
-            for (before, _), (summed, _), (after, v) in zip(grads_and_vars, deduped, out)]
 
 
 def apply_transform(transform, grads_and_vars, step):

@@ -225,10 +225,10 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         element (a tuple element is spread over the arguments).
       grad_transforms: gradient transforms ``(grads_and_vars, step) -> grads_and_vars``
         (``ms.clip_by_norm(1.0)``, ...) applied in order between compute and apply
-        at every inner step, after ``ms.dedupe_sparse`` (a gradient they return
-        unchanged reaches the optimizer unsummed, so transforms that do nothing leave
-        the result bitwise as without them); ``step`` is the global step before the
-        update (None without ``global_step``).
+        at every inner step, to the gradients as ``compute_gradients`` returns them
+        (repeated sparse rows unsummed: ``multistep``'s transforms sum them first, one
+        you write sees what it sees in a single step); ``step`` is the global step
+        before the update (None without ``global_step``).
       global_step: optional integer variable, advanced once per inner step.
       update_ops: ``True``: the ops that ``loss_fn`` adds to
         ``tf.compat.v1.GraphKeys.UPDATE_OPS`` while building step k (batch

@@ -275,6 +275,40 @@ def test_dense_and_sparse_agree_on_the_touched_rows(transform):
     np.testing.assert_array_equal(sparse[[1, 2, 4]], EMB0[[1, 2, 4]])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_transform_written_with_tf_clip_by_global_norm_is_a_single_steps(optimizer):
+    """Issue 28: a transform the user writes with tf.clip_by_global_norm (whose norm counts
+    each repeated embedding row) came out 4.77e-7 off the canonical single step when the
+    clip bites, because the rows were summed before any transform. The transforms now
+    see compute_gradients' own gradients: bitwise with single steps that clip by hand."""
+    make = {"sgd": lambda: V1.train.GradientDescentOptimizer(0.1),
+            "adam": lambda: V1.train.AdamOptimizer(0.1)}[optimizer]
+
+    def clip(grads_and_vars, step=None):  # as a user writes it between compute and apply
+        clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], 2.0)
+        return list(zip(clipped, [v for _, v in grads_and_vars]))
+
+    with tf.Graph().as_default():  # the canonical single step, 6 runs
+        opt = make()
+        train = opt.apply_gradients(clip(opt.compute_gradients(embedding_loss(True))))
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for _ in range(6):
+                sess.run(train)
+            want = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    with tf.Graph().as_default():
+        unrolled = ms.unroll(lambda: embedding_loss(True), make(), 3, grad_transforms=[clip])
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for _ in range(2):
+                sess.run(unrolled.train_op)
+            got = {v.op.name: sess.run(v) for v in V1.global_variables()}
+    assert np.abs(want["emb"] - EMB0).max() > 0  # (the clip bites: the row norm is 9.5)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
 def test_dedupe_sparse_sums_rows():
     with tf.Graph().as_default():
         g = tf.IndexedSlices(tf.constant(COEF), tf.constant(IDS), tf.constant([5, 2]))
