@@ -11,7 +11,7 @@ Models (TF1 graph mode, Adam, full batch held in the graph):
 Methods, each run through `make_callable`, interleaved round by round in one process:
 - `single`: the canonical single step (`minimize` under UPDATE_OPS), N calls;
 - `ms.unroll auto`: `ms.unroll(..., mode="auto")`, what it picks for the model;
-- `ms.unroll`: `ms.unroll` unrolled (the default mode);
+- `ms.unroll`: `ms.unroll` unrolled (the default mode); `ms.unroll loop`: its loop mode;
 - `compile loop` / `compile unrolled`: the single step above, `ms.compile`d.
 Prints µs per step (median of the rounds) and single / fused: above 1 is faster fused.
 
@@ -128,7 +128,8 @@ def build(method, model, steps):
             loss, train = _single_step(loss_fn)
             fetch, calls, mode = [loss, train], steps, "single"
         elif method.startswith("ms.unroll"):
-            mode = "auto" if method.endswith("auto") else "unrolled"
+            mode = {"ms.unroll auto": "auto", "ms.unroll loop": "while_loop"}.get(method,
+                                                                              "unrolled")
             fused = ms.unroll(loss_fn, V1.train.AdamOptimizer(1e-3), steps, mode=mode)
             fetch, calls, mode = fused.losses, 1, fused.mode
         else:
@@ -140,7 +141,8 @@ def build(method, model, steps):
     return graph, init, fetch, calls, mode
 
 
-METHODS = ("single", "ms.unroll auto", "ms.unroll", "compile loop", "compile unrolled")
+METHODS = ("single", "ms.unroll auto", "ms.unroll", "ms.unroll loop", "compile loop",
+           "compile unrolled")
 
 
 def main():
