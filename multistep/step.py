@@ -587,14 +587,6 @@ class CreationGuard:
 
     def __call__(self, next_creator, **kwargs):
         name = kwargs.get("name")
-        if tf.compat.v1.GraphKeys.METRIC_VARIABLES in (kwargs.get("collections") or ()):
-            raise ValueError(
-                f"a tf.compat.v1.metrics function in a fused step creates its accumulators "
-                f"({name!r}) at every call, and each inner step calls it anew: it cannot "
-                f"accumulate across the steps. Compute the metric outside the steps, over "
-                f"what a run returns (e.g. tf.compat.v1.metrics.mean(unrolled.losses), its "
-                f"update op run with the train op), or accumulate in a variable made before "
-                f"ms.unroll, through UPDATE_OPS inside loss_fn (total.assign_add(...)).")
         if name and self.step_prefix and name.startswith(self.step_prefix):
             # Named after a tensor of the step (an EMA's shadow of the loss): after the
             # tensor a single step would have, without the step's scopes.

@@ -437,26 +437,47 @@ def test_get_variables_regularizer_is_each_steps_own(mode):
     assert_bitwise(got, want)
 
 
-def test_tf_compat_v1_metrics_in_loss_fn_are_refused_once_with_a_fix_that_works():
-    """A metric in loss_fn makes its accumulators at every call: it used to be refused as a
-    dangling update op (advice: add it to UPDATE_OPS), then, added there, as a variable
-    made at step 2 (advice: create variables once): a circle. Refused at once, with a fix
-    that is checked here: the metric over unrolled.losses, outside the steps."""
-    def loss_fn():
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_tf_compat_v1_metrics_in_loss_fn_accumulate_over_every_step(mode):
+    """A metric in loss_fn was refused: each step called loss_fn anew and made new
+    accumulators. Built once with the single step, its update op in UPDATE_OPS runs at
+    every step: total, count and the metric bitwise with single steps that fetch the
+    update op beside the train op. Left out of UPDATE_OPS, the update op would never run:
+    refused by name."""
+    def model(collect):
         w = V1.get_variable("w", initializer=1.0)
-        V1.metrics.mean(w * w)
-        return w * w
+        loss = w * w
+        mean, update = V1.metrics.mean(loss)
+        if collect:
+            V1.add_to_collection(V1.GraphKeys.UPDATE_OPS, update)
+        return loss, mean, update
 
-    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"tf.compat.v1.metrics.*'total'"):
-        ms.unroll(loss_fn, V1.train.GradientDescentOptimizer(0.25), 3)
     with tf.Graph().as_default():
-        w = V1.get_variable("w", initializer=1.0)
-        unrolled = ms.unroll(lambda: w * w, V1.train.GradientDescentOptimizer(0.25), 3)
-        mean, update = V1.metrics.mean(unrolled.losses)
+        loss, mean, update = model(False)
+        train = V1.train.GradientDescentOptimizer(0.25).minimize(loss)
         with V1.Session() as sess:
             sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
-            sess.run([unrolled.train_op, update])
-            assert sess.run(mean) == np.float32((1 + 0.25 + 0.0625) / 3)
+            for _ in range(6):
+                sess.run([train, update])
+            want = {v.op.name: sess.run(v) for v in V1.global_variables() + V1.local_variables()}
+            want_mean = sess.run(mean)
+    with tf.Graph().as_default():
+        means = []
+        unrolled = ms.unroll(lambda: (lambda out: means.append(out[1]) or out[0])(model(True)),
+                             V1.train.GradientDescentOptimizer(0.25), 3, mode=mode)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            for _ in range(2):
+                sess.run(unrolled.train_op)
+            got = {v.op.name: sess.run(v) for v in V1.global_variables() + V1.local_variables()}
+            got_mean = sess.run(means[0])
+    assert {"mean/total", "mean/count", "w"} <= set(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+    assert got_mean == want_mean == np.float32(sum(0.5 ** (2 * k) for k in range(6)) / 6)
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"mean/AssignAddVariableOp.*"
+                                                                  r"never run.*UPDATE_OPS"):
+        ms.unroll(lambda: model(False)[0], V1.train.GradientDescentOptimizer(0.25), 3)
 
 
 @pytest.mark.parametrize("ema_name", ["ExponentialMovingAverage", "avg"])
