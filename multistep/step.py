@@ -24,12 +24,11 @@ import warnings
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
-from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
 
 from multistep import lint, scopes, transforms
 
-__all__ = ["CreationGuard", "Step", "check_capturable", "ensure_variable_stores",
-           "in_replica_context", "learning_rate_of"]
+__all__ = ["CreationGuard", "Step", "check_capturable", "in_replica_context",
+           "learning_rate_of"]
 
 # What a non-finite check says; Unrolled.run names the step (the copy its op is in).
 NONFINITE_STEP = "an inner step"
@@ -615,15 +614,6 @@ class CreationGuard:
                 variable = next_creator(**kwargs)
         self.created.append(variable)
         return variable
-
-
-def ensure_variable_stores():
-    """Give the default graph its variable and variable-scope stores now. A compiled
-    program's graph shares the stores its outer graph has when the program is traced
-    (it copies the collections that hold them), so ``get_variable`` inside it finds and
-    makes the variables the outer graph's ``get_variable`` finds."""
-    variable_scope_lib._get_default_variable_store()  # (no public accessor)
-    variable_scope_lib.get_variable_scope_store()
 
 
 def _call_loss_fn(loss_fn, args):
