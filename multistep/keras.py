@@ -2,9 +2,10 @@
 
 With ``steps_per_execution=N`` Keras runs N steps per call of its compiled train function
 and calls the callbacks once per call, with the logs of the last step. ``StepHistory``
-keeps what each inner step's logs were: its ``train_step`` writes them into row k % N of
-an ``[N, 1 + logs]`` buffer inside the compiled execution (one scatter a step), and the
-callback reads the buffer once per execution (one read).
+keeps what each inner step's logs were: its ``train_step`` writes them, with the step's
+number, into a row of a buffer inside the compiled execution (one scatter a step), and the
+callback reads the buffer (one read) after each execution when it has callbacks to call,
+else at each epoch's end and before the buffer would wrap.
 """
 
 import os
@@ -15,6 +16,8 @@ import tensorflow as tf
 
 __all__ = ["StepHistory"]
 
+_ROWS = 1024  # the buffer's rows (at least N): read once in this many steps without callbacks
+
 
 class StepHistory(keras.callbacks.Callback):
     """Every inner step's loss and metrics under ``model.fit(..., steps_per_execution=N)``.
@@ -22,7 +25,7 @@ class StepHistory(keras.callbacks.Callback):
     Why a callback: ``fit`` stays the user's own (its data handling, distribution,
     callbacks and checkpoints); the callback only wraps ``model.train_step`` so that each
     step also writes its logs (the values Keras would report after that step with
-    ``steps_per_execution=1``) into a buffer of N rows, which it reads once per execution.
+    ``steps_per_execution=1``) into a buffer, which it reads between executions.
     Training is unchanged: the writes read the logs, and nothing reads the buffers inside.
 
     Args:
@@ -33,7 +36,9 @@ class StepHistory(keras.callbacks.Callback):
         step number (1-based: the optimizer's iteration after it), under ``log_dir``.
 
     Attributes:
-      history: key -> list of every inner step's value, in order.
+      history: key -> list of every inner step's value, in order: complete at the end of
+        each epoch and of the fit (with ``callbacks`` or ``log_dir``, after every
+        execution; without, the buffer of 1024 steps is read only before it would wrap).
       steps: the true step numbers (1-based) of those values.
 
     Example:
@@ -65,6 +70,8 @@ class StepHistory(keras.callbacks.Callback):
         self._spe = None  # the steps per execution the buffers hold
         self._offset = 0  # steps counted in buffers made before the current ones
         self._read = 0  # steps read from the current buffers
+        self._unread = 0  # at most this many steps written since the last read
+        self._rows = None  # the buffer's rows: a multiple of N
         self._writer = None
         self._original = None  # the model's train_step while wrapped (during a fit)
         self._own_function = None  # the model's train function before the fit
@@ -103,10 +110,11 @@ class StepHistory(keras.callbacks.Callback):
                 self._keys = [k for k, v in logs.items()
                               if tf.convert_to_tensor(v).shape.rank == 0]
                 with tf.init_scope():
-                    # Row k % N: [the step's number, its scalars], float64 (exact for
-                    # float32 values and for step numbers below 2^53).
+                    # Row (number - 1) % rows: [the step's number, its scalars], float64
+                    # (exact for float32 values and for step numbers below 2^53).
+                    self._rows = self._spe * max(1, _ROWS // self._spe)
                     self._buffer = tf.Variable(
-                        tf.zeros([self._spe, 1 + len(self._keys)], tf.float64),
+                        tf.zeros([self._rows, 1 + len(self._keys)], tf.float64),
                         trainable=False, name="step_history")
                     self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                               name="step_history_count")
@@ -116,7 +124,7 @@ class StepHistory(keras.callbacks.Callback):
             row = tf.stack([tf.cast(number, tf.float64)]
                            + [tf.cast(logs[k], tf.float64) for k in self._keys])
             tf.raw_ops.ResourceScatterUpdate(resource=self._buffer.handle,
-                                             indices=tf.math.floormod(number - 1, self._spe),
+                                             indices=tf.math.floormod(number - 1, self._rows),
                                              updates=row)
             return logs  # (the writes run: the train function's automatic control deps)
         return train_step
@@ -130,16 +138,28 @@ class StepHistory(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._buffer is None:
             return
-        # The last N steps: [number, scalars...] at row number % N. (One read op: a
-        # variable's .numpy() also copies it through an Identity, twice the cost.)
+        self._unread += self._spe  # (at most: the data may have run out)
+        # With callbacks or log_dir, each execution's steps go on at once; else the buffer
+        # is read only before it could wrap, and at each epoch's end (a read costs about
+        # a tenth of a small model's step).
+        if self.callbacks or self._writer is not None or self._unread + self._spe > self._rows:
+            self._collect()
+
+    def _collect(self):
+        """Every step written since the last read: into ``history`` and ``steps``, to the
+        callbacks and to TensorBoard."""
+        if self._buffer is None:
+            return
+        # [number, scalars...] at row (number - 1) % rows. (One read op: a variable's
+        # .numpy() also copies it through an Identity, twice the cost.)
         rows = tf.raw_ops.ReadVariableOp(resource=self._buffer.handle, dtype=tf.float64).numpy()
         count = int(rows[:, 0].max())
-        numbers = np.arange(self._read + 1, count + 1)  # this execution's steps, 1-based
-        values = rows[(numbers - 1) % self._spe, 1:].astype(np.float32)
+        numbers = np.arange(self._read + 1, count + 1)  # the steps since, 1-based
+        values = rows[(numbers - 1) % self._rows, 1:].astype(np.float32)
         for j, k in enumerate(self._keys):
             self.history.setdefault(k, []).extend(values[:, j].tolist())
         self.steps.extend((self._offset + numbers).tolist())
-        self._read = count
+        self._read, self._unread = count, 0
         if not self.callbacks and self._writer is None:
             return
         for number, row in zip(numbers.tolist(), values.tolist()):
@@ -158,10 +178,12 @@ class StepHistory(keras.callbacks.Callback):
             callback.on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._collect()
         for callback in self.callbacks:
             callback.on_epoch_end(epoch, logs)
 
     def on_train_end(self, logs=None):
+        self._collect()
         if self._writer is not None:
             self._writer.flush()
         for callback in self.callbacks:

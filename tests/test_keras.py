@@ -65,6 +65,27 @@ def test_every_inner_step_as_keras_reports_it_one_step_per_execution(tmp_path):
     assert points == [(s, l) for s, l in zip(range(1, 17), steps.history["loss"])]
 
 
+def test_without_callbacks_the_buffer_is_read_before_it_wraps(monkeypatch):
+    """Without callbacks or log_dir, StepHistory reads its buffer only before it would
+    wrap and at each epoch's end (its per-execution read cost a small model 20 % a step
+    at N = 4). A buffer of 6 rows (N = 3), executions of 3 and a last one of 1 step an
+    epoch: every step's logs as Keras reports them one step per execution."""
+    from multistep import keras as keras_lib
+    monkeypatch.setattr(keras_lib, "_ROWS", 8)  # rows: the multiple of N = 3 below 8
+
+    def fit_with(model, callbacks):
+        model.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+
+    reference = Batches()
+    fit_with(compiled(1), [reference])  # 16 batches an epoch
+    steps = ms.keras.StepHistory()
+    fit_with(compiled(3), [steps])
+    assert steps._rows == 6
+    assert steps.steps == list(range(1, 33))
+    assert steps.history["loss"] == [loss for _, loss, _ in reference.seen]
+    assert steps.history["accuracy"] == [acc for _, _, acc in reference.seen]
+
+
 def _scalars(directory, prefix):
     """{tag: [(step, value)]} of the scalars whose tag starts with ``prefix``."""
     out = {}

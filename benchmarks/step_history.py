@@ -1,0 +1,87 @@
+"""What `ms.keras.StepHistory` costs a step under `fit(steps_per_execution=N)`.
+
+Two Keras 3 models of each of `multistep bench`'s problems (blobs: dense 2 -> 2; mlp:
+32 -> 256 -> 256 -> 2), Adam, the full batch repeated; one fits with a do-nothing
+callback, the other with `StepHistory()`. A clock callback (last) marks the end of every
+execution; a fit's time per step is the time between those marks (fit's start-up and
+its first execution left out). The fits are interleaved round by round, the order
+rotated each round, so a slow moment of the shared machine hits both alike. Prints the
+median µs per step of each and their ratio.
+
+    taskset -c 0 python benchmarks/step_history.py [--problems blobs mlp] [--steps 4 16 64]
+"""
+
+import argparse
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import multistep as ms
+from multistep import bench
+
+
+class _Clock(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+
+class _Nothing(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+def _model(problem, steps):
+    inputs = keras.Input((problem.x.shape[1],))
+    h = inputs
+    for i, ((w, _), units) in enumerate(zip(bench._initial_values(problem), problem.layers)):
+        h = keras.layers.Dense(units, activation="relu" if i < len(problem.layers) - 1 else None,
+                               kernel_initializer=keras.initializers.Constant(w))(h)
+    model = keras.Model(inputs, h)
+    model.compile(optimizer=keras.optimizers.Adam(bench.LEARNING_RATE), steps_per_execution=steps,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def per_step_us(problem, steps, rounds):
+    data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
+    executions = max(3, problem.keras_steps // steps)
+    fits = {"fit": (_model(problem, steps), _Nothing()),
+            "fit + StepHistory": (_model(problem, steps), ms.keras.StepHistory())}
+    times = {name: [] for name in fits}
+    for r in range(rounds + 1):  # round 0: traces
+        order = list(fits.items())
+        for name, (model, callback) in order[r % 2:] + order[:r % 2]:
+            clock = _Clock()
+            model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
+                      shuffle=False, callbacks=[callback, clock])
+            if r:
+                gaps = np.diff(clock.ends)[1:]
+                times[name].append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", nargs="+", choices=bench.PROBLEMS, default=list(bench.PROBLEMS))
+    parser.add_argument("--steps", nargs="+", type=int, default=[4, 16, 64])
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    print(f"{'problem':8s} {'N':>3s} {'fit µs':>9s} {'+StepHistory µs':>16s} {'cost':>7s}")
+    problems = bench._problems()
+    for name in args.problems:
+        for steps in args.steps:
+            us = per_step_us(problems[name], steps, args.rounds)
+            plain, history = us["fit"], us["fit + StepHistory"]
+            print(f"{name:8s} {steps:3d} {plain:9.1f} {history:16.1f} "
+                  f"{100 * (history / plain - 1):+6.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
