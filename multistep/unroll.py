@@ -454,9 +454,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         if steps > 1 and (mode == "unrolled" or xla):  # (a loop body's one kernel draws
             lint.warn_stateful_random(end, name=label)  # the single steps' stream)
         if mode == "unrolled" and steps > 1:
-            step_bytes = sum(op.node_def.ByteSize() for op in graph.get_operations()
-                             if op not in before)
-            _check_graph_size(graph, step_bytes, steps, label)
+            _check_graph_size(graph, before, steps, label)
         links = {} if carry_in is None else {
             placeholder: (first, following) for placeholder, first, following in zip(
                 tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
@@ -611,8 +609,14 @@ def _warn_slow_build(step_seconds, seconds, steps, label):
             RuntimeWarning, stacklevel=lint.user_stacklevel())
 
 
-def _check_graph_size(graph, step_bytes, steps, label):
-    now = sum(op.node_def.ByteSize() for op in graph.get_operations())  # (the step, once)
+def _check_graph_size(graph, before, steps, label):
+    """Refuse ``steps`` copies of the step (the graph's ops not in ``before``) that would
+    make a GraphDef over protobuf's limit."""
+    now = step_bytes = 0
+    for op in graph.get_operations():
+        size = op.node_def.ByteSize()
+        now += size
+        step_bytes += size if op not in before else 0
     estimate = now + steps * step_bytes
     if estimate > GRAPHDEF_LIMIT:
         raise GraphTooLargeError(
