@@ -80,7 +80,8 @@ def per_step_us(problem, steps, rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems", nargs="+", choices=bench.PROBLEMS, default=list(bench.PROBLEMS))
+    parser.add_argument("--problems", nargs="+", choices=bench.PROBLEMS,
+                        default=list(bench.PROBLEMS))
     parser.add_argument("--steps", nargs="+", type=int, default=[4, 16, 64])
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()

@@ -487,9 +487,9 @@ def _python_state_findings(step_fn, batches):
         if a.shape != b.shape or not np.array_equal(a, b):
             findings.append(Finding("python_state", (
                 f"step_fn's constant '{op.name}'{lint.built_at(op)} was {a.tolist()} in one "
-                f"trace and {b.tolist()} in the next: Python state read in step_fn (a counter, an attribute) is "
-                f"frozen at each trace, so every fused step reuses one value. Keep it in a "
-                f"tf.Variable and update it inside step_fn.")))
+                f"trace and {b.tolist()} in the next: Python state read in step_fn (a "
+                f"counter, an attribute) is frozen at each trace, so every fused step reuses "
+                f"one value. Keep it in a tf.Variable and update it inside step_fn.")))
     return findings
 
 
@@ -560,13 +560,14 @@ def _find_optimizer(step_fn):
 def _held_constants(roots, depth=4):
     """The ids of the eager tensors that an optimizer, a learning-rate schedule, a layer or
     a ``tf.Module`` among ``roots`` (or that the functions among them refer to) holds as an
-    attribute, theirs in turn: values they were
-    built with (a Transformer schedule's ``tf.cast(d_model, tf.float32)``), constants of
-    every step by design, not values computed from the weights before the loop."""
+    attribute, theirs in turn: values they were built with (a Transformer schedule's
+    ``tf.cast(d_model, tf.float32)``), constants of every step by design, not values
+    computed from the weights before the loop."""
     import keras  # (Keras 3: the objects a TF2 step holds)
 
     kinds = (keras.optimizers.Optimizer, keras.optimizers.schedules.LearningRateSchedule,
              keras.layers.Layer, tf.Module)
+
     def functions(value):  # a function the step calls: what it refers to is the step's
         return inspect.isfunction(value) or inspect.ismethod(value)
 
@@ -631,8 +632,8 @@ def _warn_convolutions_under_xla(graph):
             f"({', '.join(found)}): XLA compiles them with its own CPU kernels, which round "
             f"otherwise than TensorFlow's (fused XLA steps are bitwise with single XLA "
             f"steps, not with plain ones) and can be several times slower (4-5x on a conv "
-            f"autoencoder here: benchmarks/tf2_conv.py). Time it both ways; jit_compile=False keeps "
-            f"TensorFlow's kernels.", RuntimeWarning, stacklevel=4)
+            f"autoencoder here: benchmarks/tf2_conv.py). Time it both ways; "
+            f"jit_compile=False keeps TensorFlow's kernels.", RuntimeWarning, stacklevel=4)
 
 
 def _is_distributed(value):
