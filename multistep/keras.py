@@ -2,10 +2,10 @@
 
 With ``steps_per_execution=N`` Keras runs N steps per call of its compiled train function
 and calls the callbacks once per call, with the logs of the last step. ``StepHistory``
-keeps what each inner step's logs were: its ``train_step`` writes them, with the step's
-number, into a row of a buffer inside the compiled execution (one scatter a step), and the
-callback reads the buffer (one read) after each execution when it has callbacks to call,
-else at each epoch's end and before the buffer would wrap.
+keeps what each inner step's logs were: its ``train_step`` counts itself and writes them
+into row (count % rows) of a buffer inside the compiled execution (one scatter a step),
+and the callback reads the count and the buffer after each execution when it has
+callbacks to call, else at each epoch's end and before the buffer would wrap.
 """
 
 import os
@@ -110,22 +110,21 @@ class StepHistory(keras.callbacks.Callback):
                 self._keys = [k for k, v in logs.items()
                               if tf.convert_to_tensor(v).shape.rank == 0]
                 with tf.init_scope():
-                    # Row (number - 1) % rows: [the step's number, its scalars], float64
-                    # (exact for float32 values and for step numbers below 2^53).
+                    # Row number % rows: step `number`'s scalars, float32 as Keras reports
+                    # them (the number itself is the count, read when the rows are).
                     self._rows = self._spe * max(1, _ROWS // self._spe)
                     self._buffer = tf.Variable(
-                        tf.zeros([self._rows, 1 + len(self._keys)], tf.float64),
+                        tf.zeros([self._rows, len(self._keys)], tf.float32),
                         trainable=False, name="step_history")
                     self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                               name="step_history_count")
-            # The fewest ops a step: this adds to the step what the callback then reads
-            # once an execution (one read of one variable).
+            # The fewest ops a step (a count, its row, one scatter): what the callback reads
+            # between executions.
             number = self._count.assign_add(1)
-            row = tf.stack([tf.cast(number, tf.float64)]
-                           + [tf.cast(logs[k], tf.float64) for k in self._keys])
-            tf.raw_ops.ResourceScatterUpdate(resource=self._buffer.handle,
-                                             indices=tf.math.floormod(number - 1, self._rows),
-                                             updates=row)
+            if self._keys:
+                tf.raw_ops.ResourceScatterUpdate(
+                    resource=self._buffer.handle, indices=tf.math.floormod(number, self._rows),
+                    updates=tf.stack([tf.cast(logs[k], tf.float32) for k in self._keys]))
             return logs  # (the writes run: the train function's automatic control deps)
         return train_step
 
@@ -150,12 +149,12 @@ class StepHistory(keras.callbacks.Callback):
         callbacks and to TensorBoard."""
         if self._buffer is None:
             return
-        # [number, scalars...] at row (number - 1) % rows. (One read op: a variable's
-        # .numpy() also copies it through an Identity, twice the cost.)
-        rows = tf.raw_ops.ReadVariableOp(resource=self._buffer.handle, dtype=tf.float64).numpy()
-        count = int(rows[:, 0].max())
+        # (Read ops: a variable's .numpy() also copies it through an Identity.)
+        count = int(tf.raw_ops.ReadVariableOp(resource=self._count.handle,
+                                              dtype=tf.int64).numpy())
+        rows = tf.raw_ops.ReadVariableOp(resource=self._buffer.handle, dtype=tf.float32).numpy()
         numbers = np.arange(self._read + 1, count + 1)  # the steps since, 1-based
-        values = rows[(numbers - 1) % self._rows, 1:].astype(np.float32)
+        values = rows[numbers % self._rows]
         for j, k in enumerate(self._keys):
             self.history.setdefault(k, []).extend(values[:, j].tolist())
         self.steps.extend((self._offset + numbers).tolist())
