@@ -471,7 +471,8 @@ def test_under_a_mirrored_strategy_bitwise_the_single_strategy_run_steps():
 
 def test_jit_over_convolutions_on_the_cpu_says_what_it_costs():
     """Issue 29: XLA's CPU convolutions are not bitwise with TensorFlow's and were 2.4x to
-    10x slower on conv models here: fuse(jit_compile=True) says so, once, at its trace."""
+    10x slower on the issue's conv models (4-5x in benchmarks/tf2_conv.py):
+    fuse(jit_compile=True) says so at its first trace; without XLA, no warning."""
     def conv_step():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3)])
