@@ -162,7 +162,7 @@ class Fused:
                 _warn_convolutions_under_xla(
                     self._function.get_concrete_function(batches, count).graph)
             if self._check:
-                findings = [f for f in self.findings() if f.stale]
+                findings = self.findings(frozen=False)
                 if findings:
                     raise lint.StaleForwardError(str(findings[0]))
         traces = self._traces
@@ -390,12 +390,15 @@ class Fused:
             self._call, (strategy.experimental_distribute_values_from_function(share),))
         return tf.nest.map_structure(lambda v: strategy.reduce(how, v, axis=None), per_replica)
 
-    def findings(self):
-        """The traps found in the traced loop (``check``); needs a call or a trace first."""
+    def findings(self, *, frozen=True):
+        """The traps found in the traced loop (``check``); needs a call or a trace first.
+        ``frozen=False``: the stale ones only (what a first call refuses)."""
         if not self._bodies:
             return []
         body = self._bodies[-1]
         written = _written_variables(body)
+        if not frozen:
+            return _capture_findings(body, written, constants=None)
         roots = _referenced(self.step_fn) + [self.optimizer]
         return _capture_findings(body, written, constants=_held_constants(roots))
 
@@ -495,13 +498,14 @@ def _python_state_findings(step_fn, batches):
 
 def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
     """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose;
-    ``constants``: ids of eager tensors that are constants by design (``_held_constants``)."""
+    ``constants``: ids of eager tensors that are constants by design (``_held_constants``),
+    or None for the stale captures only."""
     findings = []
     try:
         lint.check_captures(body, written, name=name)
     except lint.StaleForwardError as error:
         findings.append(Finding("stale", str(error)))
-    for outer, inner in body.captures:
+    for outer, inner in body.captures if constants is not None else ():
         # (Only a float can be a value computed from the weights: integer labels, indices
         # and flags captured eagerly are data, not a trap.)
         if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
