@@ -96,9 +96,10 @@ class StepHistory(keras.callbacks.Callback):
             # earlier fit, with this callback's train_step (no retrace, no recompile).
             model.train_step, model.train_function = traced[3], traced[4]
             return
-        if self._spe is not None and spe != self._spe:  # new buffers, sized for the new N
-            self._offset += self._read
-            self._read, self._buffer, self._count = 0, None, None
+        # Another model, compile or N: new buffers, made at the trace, sized for N and the
+        # logs' keys (the last fit's steps were all read at its end).
+        self._offset += self._read
+        self._read, self._buffer, self._count = 0, None, None
         self._spe = spe
         model.train_step = self._wrapped(self._original)
         model.train_function = None  # made again, with this train_step

@@ -170,6 +170,32 @@ def test_three_fits_trace_once_and_a_new_steps_per_execution_is_followed():
     assert steps.history["loss"] == seen.losses
 
 
+def test_a_recompile_with_other_metrics_gets_buffers_of_its_own():
+    """A second compile with the same N and a metric added: new buffers for the new keys,
+    the step numbers continuing; each fit's logs as Keras reports them (the old buffers,
+    keyed by the first compile's logs, dropped the accuracy)."""
+    def compile_with(model, steps_per_execution, metrics):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=metrics,
+                      steps_per_execution=steps_per_execution,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def run(steps_per_execution, callback_for):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        compile_with(model, steps_per_execution, [])
+        fit(model, [callback_for(0)])  # 16 steps, loss only
+        compile_with(model, steps_per_execution, ["accuracy"])
+        fit(model, [callback_for(1)])  # 16 more, with accuracy
+
+    steps = ms.keras.StepHistory()
+    run(4, lambda fit_index: steps)
+    seen = [Losses(), Batches()]
+    run(1, lambda fit_index: seen[fit_index])
+    assert steps.steps == list(range(1, 33))
+    assert steps.history["loss"] == seen[0].losses + [loss for _, loss, _ in seen[1].seen]
+    assert steps.history["accuracy"] == [acc for _, _, acc in seen[1].seen]
+
+
 def test_steps_per_execution_auto_is_refused_by_name():
     model = compiled(1)
     model.steps_per_execution = "auto"
