@@ -3,8 +3,11 @@
 Every method trains the same model with the same optimizer class
 (``tf.compat.v1.train.AdamOptimizer``, Keras' Adam for Keras) and is timed side
 by side in one process, after a warm-up, as the median over repeats of the
-wall time per optimizer step. Ratios are against N separate ``sess.run`` calls
-of a stock ``minimize`` op. Results are printed, never asserted.
+wall time per optimizer step. The methods of one problem and N take turns, repeat by
+repeat (each a generator that keeps its model and session between its repeats), so a
+slow stretch of a shared machine falls on all of them rather than on one. Ratios are
+against N separate ``sess.run`` calls of a stock ``minimize`` op. Results are printed,
+never asserted.
 
 Problems:
   blobs  make_blobs 50 x 2 -> dense 2 (overhead-bound: the maths is tiny)
@@ -13,6 +16,7 @@ Problems:
 
 import csv
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -86,12 +90,12 @@ def _graph_loss_fn(problem):
 
 @dataclasses.dataclass(frozen=True)
 class _Timing:
-    repeats: int
     min_repeat_s: float
     keras_steps: int = 4000
 
-    def per_step_us(self, step_fn, steps):
-        """µs per optimizer step of ``step_fn`` (which performs ``steps``), one sample a repeat.
+    def samples(self, step_fn, steps):
+        """µs per optimizer step of ``step_fn`` (which performs ``steps``): one sample (a
+        repeat) each time the generator is resumed, without end.
 
         The first call is a warm-up (allocation, XLA compilation); a repeat
         makes as many calls as fill ``min_repeat_s``.
@@ -101,13 +105,11 @@ class _Timing:
         while calls == 0 or time.perf_counter() - start < self.min_repeat_s:
             step_fn()
             calls += 1
-        samples = []
-        for _ in range(self.repeats):
+        while True:
             start = time.perf_counter()
             for _ in range(calls):
                 step_fn()
-            samples.append((time.perf_counter() - start) / (calls * steps) * 1e6)
-        return samples
+            yield (time.perf_counter() - start) / (calls * steps) * 1e6
 
 
 def _v1_method(mode, xla):
@@ -127,23 +129,28 @@ def _v1_method(mode, xla):
                             xla=xla)
                 calls = 1
             init = V1.global_variables_initializer()
-            graph.finalize()
-            with V1.Session() as sess:
-                sess.run(init)
-                # make_callable: the fastest way TF1 runs a fixed fetch, with sess.run's
-                # argument handling done once. Fused: Unrolled.run, as a user runs it (its
-                # losses fetched; through a cached make_callable).
-                if mode == "make_callable":
-                    call = sess.make_callable(op)
-                elif mode == "sess.run":
-                    call = lambda: sess.run(op)
-                else:
-                    call = lambda: op.run(sess)
+        graph.finalize()
+        # Not the graph's or the session's `with`: the generator stops between repeats
+        # while the other methods run, and those contexts are per-thread stacks.
+        sess = V1.Session(graph=graph)
+        try:
+            sess.run(init)
+            # make_callable: the fastest way TF1 runs a fixed fetch, with sess.run's
+            # argument handling done once. Fused: Unrolled.run, as a user runs it (its
+            # losses fetched; through a cached make_callable).
+            if mode == "make_callable":
+                call = sess.make_callable(op)
+            elif mode == "sess.run":
+                call = lambda: sess.run(op)
+            else:
+                call = lambda: op.run(sess)
 
-                def run_steps():
-                    for _ in range(calls):
-                        call()
-                return timing.per_step_us(run_steps, steps)
+            def run_steps():
+                for _ in range(calls):
+                    call()
+            yield from timing.samples(run_steps, steps)
+        finally:
+            sess.close()
     return method
 
 
@@ -153,7 +160,7 @@ class _Skipped(Exception):
 
 def _jax_method(losses):
     def method(problem, steps, timing):
-        return _jax_steps(problem, steps, timing, losses=losses)
+        yield from _jax_steps(problem, steps, timing, losses=losses)
     return method
 
 
@@ -192,7 +199,7 @@ def _jax_steps(problem, steps, timing, *, losses):
 
     def run_steps():
         state[0] = jax.block_until_ready(run(state[0]))
-    return timing.per_step_us(run_steps, steps)
+    yield from timing.samples(run_steps, steps)
 
 
 def _tf2_method(jit, losses=False):
@@ -217,7 +224,7 @@ def _tf2_method(jit, losses=False):
                     optimizer.minimize(lambda: _forward(problem, weights, x), var_list=flat)
             return kept.stack() if losses else tf.constant(0.0)
 
-        return timing.per_step_us(lambda: train().numpy(), steps)
+        yield from timing.samples(lambda: train().numpy(), steps)
     return method
 
 
@@ -250,7 +257,7 @@ def _tf2_single_method(jit):
             for _ in range(steps):
                 loss = single(batch)
             loss.numpy()
-        return timing.per_step_us(run_steps, steps)
+        yield from timing.samples(run_steps, steps)
     return method
 
 
@@ -261,7 +268,7 @@ def _tf2_fused_method(jit):
 
         fused = tf2.fuse(_tf2_step(problem), steps, jit_compile=jit, check=False)
         batches = tf.zeros([steps])
-        return timing.per_step_us(lambda: fused(batches)["loss"].numpy(), steps)
+        yield from timing.samples(lambda: fused(batches)["loss"].numpy(), steps)
     return method
 
 
@@ -296,14 +303,12 @@ def _keras_method(problem, steps, timing, jit_compile=False, step_history=False)
     callbacks = ([keras_lib.StepHistory()] if step_history else []) + [clock]
     model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
               shuffle=False, callbacks=callbacks)
-    samples = []
-    for _ in range(timing.repeats):
+    while True:  # a fit a repeat
         clock.ends.clear()
         model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
                   shuffle=False, callbacks=callbacks)
         gaps = np.diff(clock.ends)[1:]
-        samples.append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
-    return samples
+        yield float(gaps.sum()) / (len(gaps) * steps) * 1e6
 
 
 METHODS = {
@@ -324,10 +329,9 @@ METHODS = {
     "ms.tf2.fuse": _tf2_fused_method(False),
     "ms.tf2.fuse+jit": _tf2_fused_method(True),
     "keras spe=N": _keras_method,
-    "keras spe=N+jit": lambda problem, steps, timing: _keras_method(problem, steps, timing, True),
+    "keras spe=N+jit": functools.partial(_keras_method, jit_compile=True),
     # The same fit with ms.keras.StepHistory() (every inner step's logs): what it costs.
-    "keras spe=N+StepHistory": lambda problem, steps, timing: _keras_method(
-        problem, steps, timing, step_history=True),
+    "keras spe=N+StepHistory": functools.partial(_keras_method, step_history=True),
     "jax fori_loop": _jax_method(losses=False),
     "jax fori_loop+losses": _jax_method(losses=True),  # like ms.unroll: the [N] losses too
 }
@@ -354,13 +358,13 @@ class Result:
 
 def time_method(problem, method, steps, *, repeats=5, min_repeat_s=0.05, keras_steps=4000):
     """One (problem, method, N): per-step times in µs, median and spread."""
-    if method == "unrolled+xla" and steps > MAX_UNROLLED_XLA_STEPS:
-        return Result(problem, steps, method, float("nan"), float("nan"), float("nan"),
-                      f"skipped: N > {MAX_UNROLLED_XLA_STEPS} (compile time)")
-    try:
-        samples = METHODS[method](_problems()[problem], steps, _Timing(repeats, min_repeat_s, keras_steps))
-    except _Skipped as skipped:
-        return Result(problem, steps, method, float("nan"), float("nan"), float("nan"), str(skipped))
+    return run([problem], [steps], [method], repeats=repeats, min_repeat_s=min_repeat_s,
+               keras_steps=keras_steps)[0]
+
+
+def _result(problem, steps, method, samples, note=""):
+    if not samples:
+        return Result(problem, steps, method, float("nan"), float("nan"), float("nan"), note)
     q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
     return Result(problem, steps, method, statistics.median(samples), q[0], q[2])
 
@@ -404,14 +408,36 @@ def _peak_bytes(step_stats):
 
 def run(problems, steps_list, methods, *, repeats=5, min_repeat_s=0.05, keras_steps=4000,
         progress=None):
-    """Times every (problem, N, method); ``progress(done, total)`` is called after each."""
-    jobs = [(p, n, m) for p in problems for n in steps_list for m in methods]
-    results = []
-    for i, (p, n, m) in enumerate(jobs):
-        results.append(time_method(p, m, n, repeats=repeats, min_repeat_s=min_repeat_s,
-                                   keras_steps=keras_steps))
-        if progress:
-            progress(i + 1, len(jobs))
+    """Times every (problem, N, method): the methods of one (problem, N) are built and
+    warmed up in turn, then take turns for their repeats, the order rotated each round.
+    ``progress(done, total)`` is called as each method is built (the slow part)."""
+    timing = _Timing(min_repeat_s, keras_steps)
+    results, done, total = [], 0, len(problems) * len(steps_list) * len(methods)
+    for p in problems:
+        for n in steps_list:
+            samples, notes, running = {m: [] for m in methods}, {}, {}
+            try:
+                for m in methods:
+                    if m == "unrolled+xla" and n > MAX_UNROLLED_XLA_STEPS:
+                        notes[m] = f"skipped: N > {MAX_UNROLLED_XLA_STEPS} (compile time)"
+                    else:
+                        running[m] = METHODS[m](_problems()[p], n, timing)
+                        try:
+                            samples[m].append(next(running[m]))  # built, warmed up, 1 repeat
+                        except _Skipped as skipped:
+                            notes[m] = str(skipped)
+                            del running[m]
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                order = list(running)
+                for r in range(1, repeats if order else 1):
+                    for m in order[r % len(order):] + order[:r % len(order)]:
+                        samples[m].append(next(running[m]))
+            finally:
+                for generator in running.values():
+                    generator.close()  # its session, at once
+            results += [_result(p, n, m, samples[m], notes.get(m, "")) for m in methods]
     return results
 
 

@@ -79,3 +79,34 @@ def test_plot_writes_a_png_when_matplotlib_is_installed(tmp_path):
 def test_unrolled_xla_is_skipped_past_its_compile_budget():
     result = bench.time_method("blobs", "unrolled+xla", bench.MAX_UNROLLED_XLA_STEPS + 1)
     assert result.note.startswith("skipped")
+
+
+def test_the_methods_of_one_problem_and_n_take_turns(monkeypatch):
+    """Each method is built and warmed up, then the methods take turns for their repeats
+    (the order rotated each round), and each method's session is closed at the end: a
+    slow stretch of a shared machine falls on all of them."""
+    log = []
+
+    def method(name):
+        def generator(problem, steps, timing):
+            log.append(f"build {name}")
+            try:
+                while True:
+                    log.append(name)
+                    yield float(len(log))
+            finally:
+                log.append(f"close {name}")
+        return generator
+
+    def missing(problem, steps, timing):
+        raise bench._Skipped("skipped: not installed")
+        yield
+
+    monkeypatch.setattr(bench, "METHODS", {"a": method("a"), "b": method("b"), "c": missing})
+    results = bench.run(["blobs"], [2], ["a", "b", "c"], repeats=3)
+    assert log == ["build a", "a", "build b", "b",  # built, warmed up, first repeat
+                   "b", "a", "a", "b",  # rounds 2 and 3, the order rotated
+                   "close a", "close b"]
+    assert [r.method for r in results] == ["a", "b", "c"]
+    assert results[0].median_us == 6.0  # a's samples: 2, 6, 7
+    assert results[2].note == "skipped: not installed"
