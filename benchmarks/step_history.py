@@ -7,8 +7,10 @@ neither fit retraces after the first round). A clock callback (last) marks the e
 every execution; a fit's time per step is the time between those marks (fit's start-up
 and its first execution left out). The turns alternate round by round, the order
 rotated each round, so a slow moment of the shared machine hits both alike. Prints the
-median µs per step of each, their ratio, and the median time StepHistory's own
-`on_train_batch_end` takes an execution.
+median µs per step of each, their ratio, the median of the rounds' own ratios (each
+round's two fits ran back to back: the paired figure, which a slow stretch of the shared
+machine moves least), and the median time StepHistory's own `on_train_batch_end` takes
+an execution.
 
     taskset -c 0 python benchmarks/step_history.py [--problems blobs mlp] [--steps 4 16 64]
 """
@@ -75,6 +77,8 @@ def per_step_us(problem, steps, rounds):
                 gaps = np.diff(clock.ends)[1:]
                 times[name].append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
     out = {name: statistics.median(t) for name, t in times.items()}
+    out["paired"] = statistics.median(
+        h / f for h, f in zip(times["fit + StepHistory"], times["fit"]))
     out["callback"] = statistics.median(spent) * 1e6
     return out
 
@@ -84,17 +88,18 @@ def main():
     parser.add_argument("--problems", nargs="+", choices=bench.PROBLEMS,
                         default=list(bench.PROBLEMS))
     parser.add_argument("--steps", nargs="+", type=int, default=[4, 16, 64])
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     print(f"{'problem':8s} {'N':>3s} {'fit µs':>9s} {'+StepHistory µs':>16s} {'cost':>7s} "
-          f"{'its hook µs/execution':>22s}")
+          f"{'paired':>7s} {'its hook µs/execution':>22s}")
     problems = bench._problems()
     for name in args.problems:
         for steps in args.steps:
             us = per_step_us(problems[name], steps, args.rounds)
             plain, history = us["fit"], us["fit + StepHistory"]
             print(f"{name:8s} {steps:3d} {plain:9.1f} {history:16.1f} "
-                  f"{100 * (history / plain - 1):+6.1f}% {us['callback']:22.1f}", flush=True)
+                  f"{100 * (history / plain - 1):+6.1f}% {100 * (us['paired'] - 1):+6.1f}% "
+                  f"{us['callback']:22.1f}", flush=True)
 
 
 if __name__ == "__main__":
