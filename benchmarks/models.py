@@ -12,8 +12,16 @@ Methods, each run through `make_callable`, interleaved round by round in one pro
 - `single`: the canonical single step (`minimize` under UPDATE_OPS), N calls;
 - `ms.unroll auto`: `ms.unroll(..., mode="auto")`, what it picks for the model;
 - `ms.unroll`: `ms.unroll` unrolled (the default mode); `ms.unroll loop`: its loop mode;
-- `compile loop` / `compile unrolled`: the single step above, `ms.compile`d.
-Prints µs per step (median of the rounds) and single / fused: above 1 is faster fused.
+- `compile loop` / `compile unrolled`: the single step above, `ms.compile`d;
+- `empty call`: a call that fetches a constant and a `tf.no_op` (as the single step
+  fetches a loss and an op), once a step: what a `sess.run` costs beyond its kernels,
+  which is all that fusing removes (the steps' kernels are the same).
+Prints µs per step (median of the rounds) and single / fused: above 1 is faster fused
+(the best fused method's, and `mode="auto"`'s as the median of the rounds' own ratios).
+With `empty call` measured, also what removing the calls' own cost alone gives (the
+fused run's kernels are the single step's): single / (single - empty call * (1 - 1/N)),
+one call of N steps staying. A ratio far from it comes from elsewhere: the machine's
+noise, or how one run allocates for and schedules the same kernels.
 
     taskset -c 0 python benchmarks/models.py [--steps 4 16 64] [--models mlp ...] [--rounds 5]
 """
@@ -124,7 +132,9 @@ def build(method, model, steps):
     graph = tf.Graph()
     with graph.as_default():
         loss_fn = MODELS[model]()
-        if method == "single":
+        if method == "empty call":
+            fetch, calls, mode = [tf.constant(0.0), tf.no_op()], steps, "no kernels"
+        elif method == "single":
             loss, train = _single_step(loss_fn)
             fetch, calls, mode = [loss, train], steps, "single"
         elif method.startswith("ms.unroll"):
@@ -142,7 +152,7 @@ def build(method, model, steps):
 
 
 METHODS = ("single", "ms.unroll auto", "ms.unroll", "ms.unroll loop", "compile loop",
-           "compile unrolled")
+           "compile unrolled", "empty call")
 
 
 def main():
@@ -178,10 +188,17 @@ def main():
             for sess, _, _ in runners.values():
                 sess.close()
             us = {m: statistics.median(v) for m, v in samples.items()}
-            fused = [m for m in args.methods if m != "single"]
+            fused = [m for m in args.methods if m not in ("single", "empty call")]
             best = min(fused, key=us.get) if fused else None
             ratio = (f"   {us['single'] / us[best]:.2f}x ({best}: {modes[best]})"
                      if best and "single" in us else "")
+            if "single" in us and "ms.unroll auto" in us:  # round by round: the pairs ran
+                paired = statistics.median(  # back to back, so the machine's drift cancels
+                    s / a for s, a in zip(samples["single"], samples["ms.unroll auto"]))
+                ratio += f"; auto ({modes['ms.unroll auto']}) {paired:.2f}x paired"
+            if "single" in us and "empty call" in us:
+                most = us["single"] / (us["single"] - us["empty call"] * (1 - 1 / steps))
+                ratio += f"; the calls alone: {most:.3f}x"
             print(f"{model:12} {steps:>3}  " + "  ".join(f"{us[m]:>16.1f}µs" for m in args.methods)
                   + ratio, flush=True)
 
