@@ -155,12 +155,11 @@ class Fused:
         count = tf.constant(self.steps if count is None else count)
         if self._traces == 0:  # trace (and check) before anything runs
             if self.strategy is not None:
-                self._trace_without_creating_variables(batches, count)
+                concrete = self._trace_without_creating_variables(batches, count)
             else:
-                self._function.get_concrete_function(batches, count)
+                concrete = self._function.get_concrete_function(batches, count)
             if self.jit_compile:
-                _warn_convolutions_under_xla(
-                    self._function.get_concrete_function(batches, count).graph)
+                _warn_convolutions_under_xla(concrete.graph)
             if self._check:
                 findings = self.findings(frozen=False)
                 if findings:
@@ -337,7 +336,8 @@ class Fused:
 
     def _trace_without_creating_variables(self, batches, count):
         """Under a strategy, trace first and refuse a step that creates variables: made in
-        the fused function's first trace, a replica's variable went unfed at run time."""
+        the fused function's first trace, a replica's variable went unfed at run time.
+        Returns the concrete function."""
         created = []
 
         def creator(next_creator, **kwargs):
@@ -347,7 +347,7 @@ class Fused:
         failed = None
         with tf.variable_creator_scope(creator):
             try:
-                self._function.get_concrete_function(batches, count)
+                concrete = self._function.get_concrete_function(batches, count)
             except Exception as error:  # (TensorFlow's own: an UnliftableError, say)
                 if not created:
                     raise
@@ -360,6 +360,7 @@ class Fused:
                 f"a strategy. Create them first, under strategy.scope(): build the model "
                 f"(model.build(...) or one call) and the optimizer "
                 f"(optimizer.build(model.trainable_variables)).") from failed
+        return concrete
 
     def _replicated(self, batch, k=None):
         """``strategy.run(step_fn)`` on this step's batch, replica r taking its share (``k``:
