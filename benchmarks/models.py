@@ -15,7 +15,7 @@ Methods, each run through `make_callable`, interleaved round by round in one pro
 - `compile loop` / `compile unrolled`: the single step above, `ms.compile`d;
 - `empty call`: a call that fetches a constant and a `tf.no_op` (as the single step
   fetches a loss and an op), once a step: what a `sess.run` costs beyond its kernels,
-  which is all that fusing removes (the steps' kernels are the same).
+  which fusing removes (the steps' kernels are the same).
 Prints µs per step (median of the rounds) and single / fused: above 1 is faster fused
 (the best fused method's, and `mode="auto"`'s as the median of the rounds' own ratios).
 With `empty call` measured, also what removing the calls' own cost alone gives (the
