@@ -399,7 +399,7 @@ class Fused:
         body = self._bodies[-1]
         written = _written_variables(body)
         if not frozen:
-            return _capture_findings(body, written, constants=None)
+            return _stale_findings(body, written)
         roots = _referenced(self.step_fn) + [self.optimizer]
         return _capture_findings(body, written, constants=_held_constants(roots))
 
@@ -497,16 +497,20 @@ def _python_state_findings(step_fn, batches):
     return findings
 
 
-def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
-    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose;
-    ``constants``: ids of eager tensors that are constants by design (``_held_constants``),
-    or None for the stale captures only."""
-    findings = []
+def _stale_findings(body, written, name="ms.tf2.fuse"):
+    """The stale capture of the loop body (a FuncGraph), if any; ``name`` says whose."""
     try:
         lint.check_captures(body, written, name=name)
     except lint.StaleForwardError as error:
-        findings.append(Finding("stale", str(error)))
-    for outer, inner in body.captures if constants is not None else ():
+        return [Finding("stale", str(error))]
+    return []
+
+
+def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
+    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose;
+    ``constants``: ids of eager tensors that are constants by design (``_held_constants``)."""
+    findings = _stale_findings(body, written, name)
+    for outer, inner in body.captures:
         # (Only a float can be a value computed from the weights: integer labels, indices
         # and flags captured eagerly are data, not a trap.)
         if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
