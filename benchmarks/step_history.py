@@ -20,37 +20,15 @@ import statistics
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import multistep as ms
 from multistep import bench
 
 
-class _Clock(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.ends = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.ends.append(time.perf_counter())
-
-
 class _Nothing(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         pass
-
-
-def _model(problem, steps):
-    inputs = keras.Input((problem.x.shape[1],))
-    h = inputs
-    for i, ((w, _), units) in enumerate(zip(bench._initial_values(problem), problem.layers)):
-        h = keras.layers.Dense(units, activation="relu" if i < len(problem.layers) - 1 else None,
-                               kernel_initializer=keras.initializers.Constant(w))(h)
-    model = keras.Model(inputs, h)
-    model.compile(optimizer=keras.optimizers.Adam(bench.LEARNING_RATE), steps_per_execution=steps,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
 
 
 def per_step_us(problem, steps, rounds):
@@ -64,18 +42,18 @@ def per_step_us(problem, steps, rounds):
         hook(batch, logs)
         spent.append(time.perf_counter() - start)
     history.on_train_batch_end = timed
-    model = _model(problem, steps)  # one model, its fits alternating: no model's own luck
+    # One model (compile's default jit_compile), its fits alternating: no model's own luck.
+    model = bench._keras_model(problem, steps, "auto")
     fits = {"fit": (model, _Nothing()), "fit + StepHistory": (model, history)}
     times = {name: [] for name in fits}
     for r in range(rounds + 1):  # round 0: traces
         order = list(fits.items())
         for name, (model, callback) in order[r % 2:] + order[:r % 2]:
-            clock = _Clock()
+            clock = bench._execution_clock()
             model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
                       shuffle=False, callbacks=[callback, clock])
             if r:
-                gaps = np.diff(clock.ends)[1:]
-                times[name].append(float(gaps.sum()) / (len(gaps) * steps) * 1e6)
+                times[name].append(clock.us_per_step(steps))
     out = {name: statistics.median(t) for name, t in times.items()}
     out["paired"] = statistics.median(
         h / f for h, f in zip(times["fit + StepHistory"], times["fit"]))

@@ -272,33 +272,51 @@ def _tf2_fused_method(jit):
     return method
 
 
-def _keras_method(problem, steps, timing, jit_compile=False, step_history=False):
+def _keras_model(problem, steps, jit_compile):
+    """The problem's model in Keras 3 with Adam, compiled for ``steps_per_execution=steps``."""
     import keras
-
-    from multistep import keras as keras_lib
 
     inputs = keras.Input((problem.x.shape[1],))
     h = inputs
-    for i, ((w, b), units) in enumerate(zip(_initial_values(problem), problem.layers)):
+    for i, ((w, _), units) in enumerate(zip(_initial_values(problem), problem.layers)):
         h = keras.layers.Dense(units, activation="relu" if i < len(problem.layers) - 1 else None,
                                kernel_initializer=keras.initializers.Constant(w))(h)
     model = keras.Model(inputs, h)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), steps_per_execution=steps,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
-    data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
-    # fit() calls on_train_batch_end once per execution of N steps. The time between two
-    # such calls is one execution, with fit()'s fixed start-up and tear-down left out;
-    # the first execution of a fit (tracing, iterator start) is dropped.
-    executions = max(3, min(problem.keras_steps, timing.keras_steps) // steps)
+    return model
+
+
+def _execution_clock():
+    """A Keras callback that times a fit's executions: ``fit`` calls
+    ``on_train_batch_end`` once per execution of N steps, so the time between two calls
+    is one execution, with fit()'s fixed start-up and tear-down left out.
+    ``us_per_step(steps)`` drops the first execution (tracing, iterator start)."""
+    import keras
 
     class Clock(keras.callbacks.Callback):
-        ends = []
+        def __init__(self):
+            super().__init__()
+            self.ends = []
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
 
-    clock = Clock()
+        def us_per_step(self, steps):
+            gaps = np.diff(self.ends)[1:]
+            return float(gaps.sum()) / (len(gaps) * steps) * 1e6
+
+    return Clock()
+
+
+def _keras_method(problem, steps, timing, jit_compile=False, step_history=False):
+    from multistep import keras as keras_lib
+
+    model = _keras_model(problem, steps, jit_compile)
+    data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()
+    executions = max(3, min(problem.keras_steps, timing.keras_steps) // steps)
+    clock = _execution_clock()
     # StepHistory before the clock: its per-execution read of the [N] logs is timed too.
     callbacks = ([keras_lib.StepHistory()] if step_history else []) + [clock]
     model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
@@ -307,8 +325,7 @@ def _keras_method(problem, steps, timing, jit_compile=False, step_history=False)
         clock.ends.clear()
         model.fit(data, steps_per_epoch=executions * steps, epochs=1, verbose=0,
                   shuffle=False, callbacks=callbacks)
-        gaps = np.diff(clock.ends)[1:]
-        yield float(gaps.sum()) / (len(gaps) * steps) * 1e6
+        yield clock.us_per_step(steps)
 
 
 METHODS = {
