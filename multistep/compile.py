@@ -7,11 +7,10 @@ as the body of a ``tf.while_loop`` run N times (``mode="while_loop"``). Step k r
 weights step k-1 wrote and recomputes its loss and gradients from them, as the k-th of N
 single ``sess.run`` calls would.
 
-The rule that decides what is shared and what is copied lives here and only here
-(``placement``): ops that own state (variables, iterators, tables, queues, readers) are
-shared; placeholders become per-step inputs; everything else, the stateful ops that
-use state included (reads, assigns, ``IteratorGetNext``, random ops, summaries), is
-copied.
+The pieces, one a file: ``placement`` (the rule: which ops the copies share, which
+become per-step inputs, which each copy owns), ``copy`` (the step's ops as a template,
+imported once per copy), and here the modes (N copies, or one loop body), the run
+length, and ``Compiled``, what a program's loop runs.
 """
 
 import collections
@@ -23,35 +22,13 @@ import numpy as np
 import tensorflow as tf
 
 from multistep import auto, lint
+from multistep.copy import MOST_KEYED_COPIES, fetched_in, import_copies, template_of
+from multistep.placement import PLACEHOLDERS, STATE_OWNERS, placement
 
 __all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
 
 COMPILE_MODES = ("while_loop", "unrolled", "auto")
 
-# Ops that own state that outlives a step: shared by every copy. (Placeholders are the
-# step's inputs: each copy reads its own slice.)
-STATE_OWNERS = frozenset({
-    "VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp",
-    "HashTable", "HashTableV2", "MutableHashTable", "MutableHashTableV2",
-    "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2", "MutableDenseHashTable",
-    "MutableDenseHashTableV2", "AnonymousHashTable", "AnonymousMutableHashTable",
-    "FIFOQueue", "FIFOQueueV2", "PaddingFIFOQueue", "PaddingFIFOQueueV2", "RandomShuffleQueue",
-    "RandomShuffleQueueV2", "PriorityQueue", "PriorityQueueV2",
-    "Iterator", "IteratorV2", "OneShotIterator", "MultiDeviceIterator",
-    "AnonymousIterator", "AnonymousIteratorV2", "AnonymousIteratorV3",
-    "WholeFileReader", "WholeFileReaderV2", "TextLineReader", "TextLineReaderV2",
-    "FixedLengthRecordReader", "FixedLengthRecordReaderV2", "TFRecordReader",
-    "TFRecordReaderV2", "IdentityReader", "IdentityReaderV2", "LMDBReader",
-    "ConditionalAccumulator", "SparseConditionalAccumulator", "Barrier", "MutexV2",
-    "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
-})
-_PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
-# Ops that make a resource for the step's own use, live only while it runs, or look up
-# shared state by a handle string (a feedable iterator): copied.
-_STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
-                             "Stack", "TemporaryVariable", "IteratorFromStringHandle",
-                             "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
-_CAST_LIKE = frozenset({"Cast", "Bitcast"})
 _FUNCTIONAL_CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
                                       "StatelessCase"})
 
@@ -123,32 +100,6 @@ def positive_int(what, value):
     if value < 1:
         raise ValueError(f"{what} must be an int >= 1, got {value}.")
     return int(value)
-
-
-def placement(op):
-    """``"shared"``, ``"input"`` or ``"copied"``: what the compiler does with ``op``
-    when a step's fetches reach it. Raises ``ValueError`` for an op that makes a resource
-    the rule cannot place (neither known state nor a step's temporary)."""
-    if op.type in STATE_OWNERS:
-        return "shared"
-    if op.type in _PLACEHOLDERS:
-        return "input"
-    if op.type == "PlaceholderWithDefault" and tf.get_static_value(op.inputs[0]) is not None:
-        return "input"  # (a default computed in the step: copied, and refused if fed)
-    if op.type in _STEP_RESOURCES:
-        return "copied"
-    if any(map(_is_state, op.outputs)) and not any(map(_is_state, op.inputs)):
-        raise ValueError(
-            f"ms.compile: the step reaches {op.name!r} ({op.type}), an op that makes state of "
-            f"its own; it is neither known state to share between the steps (variables, "
-            f"iterators, tables, queues, readers) nor a step's temporary to copy, so the "
-            f"compiler cannot tell whether N steps should share it. Please report the op "
-            f"type; meanwhile fetch a step that does not reach it.")
-    return "copied"
-
-
-def _is_state(tensor):
-    return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # noqa: SLF001
 
 
 def _ancestors_in_order(roots):
@@ -350,14 +301,14 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"which draws the single steps' stream.")
     nccl = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Nccl")]
     keyed = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Collective")]
-    if mode == "unrolled" and steps > 1 and (nccl or steps > _MOST_KEYED_COPIES and keyed):
+    if mode == "unrolled" and steps > 1 and (nccl or steps > MOST_KEYED_COPIES and keyed):
         raise ValueError(
             f"ms.compile: the step all-reduces across devices ({', '.join((nccl or keyed)[:3])}); "
             f"{steps} unrolled copies of it need keys of their own, which the compiler gives "
-            f"collective ops up to {_MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
+            f"collective ops up to {MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
             f"mode='while_loop' (one kernel per op, run once a step) or fewer steps.")
     copied = [op for op in ops if where[op] == "copied"]
-    template = _template(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
+    template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
                          strip, label)
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
         for node in template.graph_def.node:
@@ -447,211 +398,13 @@ def _per_step_placeholders(placeholders, feeds):
     wanted = []
     for item in tf.nest.flatten(feeds):
         op = getattr(item, "op", item)
-        if not isinstance(op, tf.Operation) or op.type not in (*_PLACEHOLDERS,
+        if not isinstance(op, tf.Operation) or op.type not in (*PLACEHOLDERS,
                                                                "PlaceholderWithDefault"):
             raise TypeError(f"ms.compile: feeds must be placeholders, got {item!r}.")
         if op not in placeholders:
             raise ValueError(f"ms.compile: feeds names {op.name!r}, which the step does not read.")
         wanted.append(op)
     return [p for p in placeholders if p in wanted]
-
-
-_Template = collections.namedtuple(
-    "_Template", "graph_def names colocation shared inputs ordered rename keys")
-# Copy k of a collective op (unrolled) takes instance key + k * _KEY_STRIDE: N copies of one
-# key would meet as one collective. TensorFlow numbers a graph's keys from a counter, so
-# the copies' keys stay clear of those built after; int32 keys bound the copies.
-_KEY_STRIDE = 2 ** 20
-_MOST_KEYED_COPIES = 2 ** 31 // _KEY_STRIDE - 1
-
-
-def _template(copied, inputs, strip=None, label=""):
-    """The copied ops as a GraphDef, each copy of the step made from it (``inputs``: the
-    per-step placeholder ops): their colocation constraints (``_class``) taken out (set
-    again after the import, pointing at the shared op itself or at the op's copy), what
-    they read from outside (``shared``: a reference as the GraphDef writes it -> the
-    shared tensor; ``inputs``: the names of the per-step placeholders), the ops that
-    ``_needs_order`` orders after the previous step, and ``rename(name, prefix)``: an
-    op's name in the copy named ``prefix`` (see ``build``'s ``strip``)."""
-    graph_def = tf.compat.v1.GraphDef()
-    colocation = {}
-    for op in copied:
-        node = graph_def.node.add()
-        node.CopyFrom(op.node_def)
-        if "_class" in node.attr:
-            colocation[op.name] = [s.decode() for s in node.attr["_class"].list.s]
-            del node.attr["_class"]
-    names = {op.name for op in copied}
-    placeholders = {p.name for p in inputs}
-    graph = copied[0].graph if copied else None
-    shared = {}
-    for node in graph_def.node:
-        for reference in node.input:
-            name = reference.lstrip("^").split(":")[0]
-            if name in names or name in placeholders:
-                continue
-            if reference.startswith("^"):  # an order on a shared op: kept (a value is needed)
-                shared[reference] = graph.get_operation_by_name(name).outputs[0]
-            else:
-                shared[reference] = graph.get_tensor_by_name(
-                    reference if ":" in reference else reference + ":0")
-
-    def rename(name, prefix):
-        if strip is None:
-            return f"{prefix}/{name}"
-        for step_prefix, step_label in strip:
-            if name.startswith(step_prefix):
-                if prefix.startswith(label + "/"):  # the step's own label, as in "label/step_k"
-                    prefix = step_label + prefix[len(label):]
-                elif step_label != label:  # (a v2 loop body's prefix: "step")
-                    prefix = f"{prefix}/{step_label}"
-                return f"{prefix}/{name[len(step_prefix):]}"
-        return f"{prefix}/_outside/{name}"
-
-    return _Template(graph_def, [op.name for op in copied], colocation, shared,
-                     placeholders, _needs_order(copied), rename, _instance_keys(copied))
-
-
-def _instance_keys(copied):
-    """{name of a node that holds a collective's instance key: "attr" (a v1 collective's
-    attribute) or "const" (the constant a v2 collective takes it from)}."""
-    keys = {}
-    for op in copied:
-        if not op.type.startswith("Collective"):
-            continue
-        if "instance_key" in op.node_def.attr:
-            keys[op.name] = "attr"
-            continue
-        names = [arg.name for arg in op.op_def.input_arg]
-        if "instance_key" in names:
-            source = op.inputs[names.index("instance_key")].op
-            if source.type != "Const":
-                raise ValueError(f"ms.compile: the collective {op.name!r} takes its instance "
-                                 f"key from {source.name!r} ({source.type}), not a constant: "
-                                 f"its unrolled copies cannot be given keys of their own.")
-            keys[source.name] = "const"
-    return keys
-
-
-def _needs_order(copied):
-    """The ops of a copy that take the previous step's end as a control input: every op
-    that nothing else in the copy orders (no input or control input from the copy),
-    every function call or functional cond and loop (lowered before it runs, each op
-    inside then waits only for the inputs it uses), and every cast of a ref variable
-    (Grappler moves a cast ahead of the ``w/read`` alias that would order it). Ops inside
-    a v1 loop of the step are reached through its ``Enter`` ops (a control edge into a
-    v1 frame from outside it is invalid)."""
-    members = set(copied)
-    out, ordered = {}, set()  # out: the v1 frame depth of an op's outputs (0: the step's)
-    for op in copied:  # creation order: inputs first, but for a v1 loop's back edges
-        inner = [p for p in [t.op for t in op.inputs] + list(op.control_inputs) if p in members]
-        depth = max((out[p] for p in inner if p in out), default=0)
-        out[op] = depth + (op.type in ("Enter", "RefEnter")) - (op.type in ("Exit", "RefExit"))
-        if depth:
-            continue
-        ref_cast = op.type in _CAST_LIKE and lint.ref_variable_of(op.inputs[0]) is not None
-        if not inner or op.type in lint.CALL_OPS or ref_cast:
-            ordered.add(op.name)
-    return ordered
-
-
-def _import(template, copies, roots):
-    """The copies of the step, in one ``import_graph_def`` (each import walks the whole
-    graph: one per copy made an unrolled build quadratic in N). ``copies``: a list of
-    ``(prefix, slices, before)``: the copy's ops are ``<prefix>/<original name>``, each
-    per-step placeholder reads ``slices[placeholder]``, and the ops ``_needs_order``
-    names take ``before`` as a control input: None, an op, or ``"previous"`` (the end of
-    the copy before it). Each copy ends with a NoOp ``<prefix>/end`` after the copies of
-    the fetches. Returns ({original name: op} of each copy, the end op of each copy)."""
-    graph = tf.compat.v1.get_default_graph()
-    graph_def = tf.compat.v1.GraphDef()
-    input_map = dict(template.shared)
-    copied = set(template.names)
-    fetched = [root if isinstance(root, tf.Operation) else root.op for root in roots]
-    fetched = [op.name for op in fetched if op.name in copied]
-    names, rename = [], template.rename
-    for k, (prefix, slices, before) in enumerate(copies):
-        linked = {}  # placeholder op name -> a tensor of this GraphDef (the copy before's)
-        for original, value in slices.items():
-            if isinstance(value, str):
-                linked[original.op.name] = value
-                continue
-            input_map[f"{prefix}/_input/{original.name}"] = value
-            input_map[f"^{prefix}/_input/{original.op.name}"] = value
-        order = None
-        if before == "previous":
-            order = f"^{copies[k - 1][0]}/end"
-        elif before is not None:
-            order = f"^{prefix}/_before"
-            input_map[order] = before.outputs[0]
-
-        def renamed(reference):
-            control = "^" if reference.startswith("^") else ""
-            name = reference.lstrip("^")
-            op_name = name.split(":")[0]
-            if op_name in copied:
-                return f"{control}{rename(name, prefix)}"
-            if op_name in linked:
-                return f"^{linked[op_name].split(':')[0]}" if control else linked[op_name]
-            if op_name in template.inputs:
-                return f"{control}{prefix}/_input/{name if ':' in name or control else name + ':0'}"
-            return reference
-
-        for source in template.graph_def.node:
-            node = graph_def.node.add()
-            node.CopyFrom(source)
-            node.name = rename(source.name, prefix)
-            node.input[:] = [renamed(i) for i in source.input]
-            if order is not None and source.name in template.ordered:
-                node.input.append(order)
-            if k and source.name in template.keys:  # a collective: keys of its own
-                if template.keys[source.name] == "attr":
-                    node.attr["instance_key"].i += k * _KEY_STRIDE
-                else:
-                    value = tf.make_ndarray(node.attr["value"].tensor) + k * _KEY_STRIDE
-                    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-            if source.op in ("Enter", "RefEnter"):  # v1 loops: a frame name per copy
-                node.attr["frame_name"].s = f"{prefix}/".encode() + source.attr["frame_name"].s
-            names.append(node.name)
-        end = graph_def.node.add()
-        end.name, end.op = f"{prefix}/end", "NoOp"
-        end.input[:] = [f"^{rename(name, prefix)}" for name in fetched]
-        names.append(end.name)
-    used = {i for node in graph_def.node for i in node.input}
-    input_map = {k: v for k, v in input_map.items() if k in used}  # (an unused key is an error)
-    if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
-        input_map = {k: graph.capture(v) if v.graph is not graph else v
-                     for k, v in input_map.items()}
-    imported = tf.import_graph_def(graph_def, input_map=input_map, return_elements=names,
-                                   name="")  # "": the names as written, absolute
-    size = len(template.names) + 1
-    out, ends = [], []
-    for k in range(len(copies)):
-        ops = imported[k * size:(k + 1) * size]
-        one = dict(zip(template.names, ops[:-1]))
-        for name, classes in template.colocation.items():
-            targets = [c[len("loc:@"):] for c in classes if c.startswith("loc:@")]
-            mapped = [f"loc:@{one[t].name}" if t in one else f"loc:@{t}" for t in targets]
-            one[name]._set_attr("_class", tf.compat.v1.AttrValue(  # noqa: SLF001
-                list=tf.compat.v1.AttrValue.ListValue(s=[m.encode() for m in mapped])))
-        out.append(one)
-        ends.append(ops[-1])
-    return out, ends
-
-
-def _fetched(copies, roots, outside):
-    """The copy's counterpart of each fetch (an op or a tensor); ``outside(root)`` for a
-    fetch the copy does not hold (a placeholder or a shared op)."""
-    out = []
-    for root in roots:
-        op = root if isinstance(root, tf.Operation) else root.op
-        if op.name not in copies:
-            out.append(outside(root))
-        elif isinstance(root, tf.Operation):
-            out.append(copies[op.name])
-        else:
-            out.append(copies[op.name].outputs[root.value_index])
-    return out
 
 
 def _prepared(inputs, count, label):
@@ -684,11 +437,11 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
         for placeholder, (first, following) in links.items():
             slices[k][placeholder] = first if k == 0 else (
                 template.rename(following.name, prefixes[k - 1]))
-    copies, ends = _import(template, [(prefixes[k], slices[k], "previous" if k else None)
+    copies, ends = import_copies(template, [(prefixes[k], slices[k], "previous" if k else None)
                                       for k in range(steps)], roots)
-    per_step = [_fetched(c, roots, lambda root, k=k: slices[k].get(root, root))
+    per_step = [fetched_in(c, roots, lambda root, k=k: slices[k].get(root, root))
                 for k, c in enumerate(copies)]
-    carried = [_fetched(copies[-1], [following], lambda root: root)[0]
+    carried = [fetched_in(copies[-1], [following], lambda root: root)[0]
                for _, following in links.values()]
 
     def values():  # built after the train op: fetching one runs the steps
@@ -720,10 +473,10 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         # v1 control flow: the body is built under the loop's scope; v2: in a function
         # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
-        [copies], [end] = _import(
+        [copies], [end] = import_copies(
             template, [(f"{scope}/body/step" if scope else "step", slices, i.op)], roots)
-        fetched = _fetched(copies, roots, lambda root: slices.get(root, tf.identity(root)))
-        following = _fetched(copies, [f for _, f in links.values()], lambda root: root)
+        fetched = fetched_in(copies, roots, lambda root: slices.get(root, tf.identity(root)))
+        following = fetched_in(copies, [f for _, f in links.values()], lambda root: root)
         with tf.control_dependencies([end]):
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
