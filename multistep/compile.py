@@ -16,21 +16,34 @@ length, and ``Compiled``, what a program's loop runs.
 import collections
 import dataclasses
 import numbers
+import warnings
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from multistep import auto, lint
-from multistep.copy import MOST_KEYED_COPIES, fetched_in, import_copies, template_of
+from multistep import feeds as feeds_lib
+from multistep.feeds import per_step_input, per_step_placeholders, prepared
+from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
+                            template_of)
 from multistep.placement import PLACEHOLDERS, STATE_OWNERS, placement
 
-__all__ = ["COMPILE_MODES", "Compiled", "STATE_OWNERS", "compile", "placement"]
+__all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "STATE_OWNERS", "compile",
+           "placement"]
 
 COMPILE_MODES = ("while_loop", "unrolled", "auto")
 
 _FUNCTIONAL_CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
                                       "StatelessCase"})
+
+
+MOST_LOOP_STEPS = 2 ** 31 - 1  # a loop counts its steps in int32
+GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
+
+
+class GraphTooLargeError(ValueError):
+    """An unrolled graph would pass the 2 GB GraphDef limit."""
 
 
 _PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
@@ -80,7 +93,7 @@ def make_run_length(steps, *, count_done):
     ended so far in a run, for InputExhaustedError's message."""
     local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
     variable = tf.compat.v1.Variable(steps, dtype=tf.int32, trainable=False, use_resource=True,
-                                     collections=local, name="steps_per_run")
+                                     collections=[], name="steps_per_run")
     with tf.compat.v1.name_scope(variable.op.name + "/"):
         value = tf.compat.v1.placeholder(tf.int32, [], name="value")
         assign = variable.assign(value, read_value=False, name="set")
@@ -116,12 +129,19 @@ class Compiled:
     Attributes:
       train_op: running it runs every step.
       values: the fetches' structure, each tensor fetch now its N steps' values
-        (``[N, ...]``; loop mode ``[steps_per_run, ...]``), each op fetch ``train_op``.
-        Fetching any of them runs the steps once.
+        (``[N, ...]``; loop mode ``[steps_per_run, ...]``), each op fetch ``train_op``;
+        a fetched ``SparseTensor`` or ``IndexedSlices`` has each component so stacked.
+        A fetch of state (a variable, an ``assign_add``'s ref) is its value at each
+        step's end, as a single step's ``sess.run`` returns it. Fetching any of them
+        runs the steps once.
       losses: float32 ``[N]``: the values of the fetch that is the loss (the one keyed
-        ``"loss"`` in a dict, else the only float scalar tensor fetched), or None.
+        ``"loss"`` in a dict, else the only float scalar tensor fetched that a fetched
+        train op depends on), or None.
       inputs: original placeholder -> the ``[steps, ...]`` placeholder that feeds it
         slice k at step k.
+      carry, carry_in: with ``carry=``, the carried tensors' values after the run's last
+        step, and the tensors each run starts from (fed as the program's own loop feeds
+        them).
       steps, name, mode, global_step, steps_per_run: as ``ms.Unrolled``'s.
     """
 
@@ -137,53 +157,38 @@ class Compiled:
     records: dict = dataclasses.field(default_factory=dict)
     summaries: object = None
     why: object = None
+    carry: object = None
+    carry_in: object = None
     _run_length: object = dataclasses.field(default=None, repr=False)
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
     _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
+    _carried_names: frozenset = dataclasses.field(default=frozenset(), repr=False)
+    _fetched: tuple = dataclasses.field(default=(), repr=False)  # the tensors fetched
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
-    def feed_dict(self, feed_dict):
-        """``feed_dict`` (the original placeholders, or their names, as keys) as the
-        compiled program's feed: a per-step input's value is ``[n, ...]`` (one slice a
-        step) or the placeholder's own shape (the same value every step)."""
-        out = {}
-        for key, value in (feed_dict or {}).items():
-            name = key if isinstance(key, str) else getattr(key, "name", None)
-            if name is not None and ":" not in name:
-                name += ":0"
-            fed = self._by_name.get(name)
-            if fed is None:
-                if name is not None and name.split(":")[0] in self._copied:
-                    raise ValueError(
-                        f"{self.name}: {name!r} is computed inside the step, which the "
-                        f"compiled program copies: a value fed to the original would reach "
-                        f"no step. Feed the step's placeholders (Compiled.inputs), or make it "
-                        f"a placeholder (or a placeholder_with_default of a constant).")
-                out[key] = value  # a placeholder the steps share, fed as it is
-                continue
-            original, per_step = fed
-            value = np.asarray(value, dtype=original.dtype.as_numpy_dtype)
-            rank = original.shape.rank
-            if rank is not None and value.ndim == rank:
-                value = value[None]  # the same batch at every step
-            elif rank is not None and value.ndim != rank + 1:
-                raise ValueError(
-                    f"{self.name}: the value fed to {original.name!r} has shape "
-                    f"{value.shape}; the placeholder has shape {original.shape}, so feed "
-                    f"[steps, *{original.shape}] (one batch per step) or "
-                    f"{original.shape} (the same batch every step).")
-            out[per_step] = value
-        return out
+    def feed_dict(self, feed_dict=None, *, feeds=None):
+        """The compiled program's feed for one run, from what the program's loop feeds.
 
-    def run(self, session, feed_dict=None):
+        Args:
+          feed_dict: the original placeholders (or their names) as keys; a per-step
+            input's value is ``[n, ...]`` (one slice a step) or the placeholder's own
+            shape (the same value every step; a scalar for a placeholder of no shape).
+          feeds: instead, the run's single-step feed dicts in step order, one a step, as
+            the program's own loop builds them (loop mode: a run of ``len(feeds)``
+            steps). A carried placeholder's value is taken from ``feeds[0]``.
+        """
+        return feeds_lib.translate(self, feed_dict, feeds)
+
+    def run(self, session, feed_dict=None, *, feeds=None):
         """Runs the steps once; returns the per-step values of the fetches (numpy).
 
-        Without a feed, on a plain ``Session``, through a callable made once per session
+        ``feed_dict`` or ``feeds`` as ``Compiled.feed_dict`` takes them. Without a feed,
+        on a plain ``Session``, through a callable made once per session
         (``Session.make_callable``), as ``ms.Unrolled.run``; else ``session.run`` (a
         ``MonitoredSession``'s hooks must see each run)."""
-        if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
-            return session.run(self.values, self.feed_dict(feed_dict))
+        if feed_dict or feeds is not None or not isinstance(session, _PLAIN_SESSIONS):
+            return session.run(self.values, self.feed_dict(feed_dict, feeds=feeds))
         return callable_for(self._callables, session, self.values)[0]()
 
     def set_steps_per_run(self, session, n):
@@ -192,7 +197,8 @@ class Compiled:
         set_steps_per_run(self, session, n)
 
 
-def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="multistep"):  # noqa: A001
+def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=False,  # noqa: A001
+            name="multistep"):
     """Compiles the single training step that ``fetches`` run into one op for ``steps``.
 
     Args:
@@ -213,29 +219,44 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
         alone (``steps=1, xla=True``), not to the plain step (XLA fuses and reorders the
         arithmetic). A step XLA cannot compile (an op without an XLA kernel, a
         ``tf.data`` iterator, ref variables) is refused at build time, naming the op.
+      carry: ``{initial: final}``: state a program feeds back from run to run (an RNN's
+        final state, fed as the next run's initial state). ``initial`` is a placeholder
+        or a tensor of the step (``cell.zero_state``'s), ``final`` a tensor of the step
+        of the same shape: step 1 reads ``initial`` (as fed to the run, or as computed),
+        step k the ``final`` of step k-1; ``Compiled.carry`` holds the last step's.
       name: the name scope of the copies (and of the loop).
 
     Returns:
-      A ``Compiled``: ``run(sess, feed_dict)`` takes the original placeholders as keys.
+      A ``Compiled``: ``run(sess, feed_dict)`` takes the original placeholders as keys;
+      ``run(sess, feeds=[...])`` the single-step feed dicts of the run's steps.
+
+    Raises:
+      ValueError, TypeError: before anything is built or run, for a program the compiler
+        cannot keep bitwise (each message names the op or argument and the fix).
+      RuntimeError: the graph is finalized (compile before creating the session).
     """
     graph = tf.compat.v1.get_default_graph()
     if tf.executing_eagerly():
         raise RuntimeError("ms.compile compiles a tf.compat.v1 graph; call it inside "
                            "`with graph.as_default():` (or after disable_eager_execution()).")
+    if graph.finalized:
+        raise RuntimeError(
+            "ms.compile: the graph is finalized (MonitoredTrainingSession, a Supervisor or "
+            "graph.finalize() finalizes it when the session is made), so the compiled "
+            "program cannot be added to it. Call ms.compile before creating the session, "
+            "where the train op is built, and run fused.train_op in it.")
     steps = positive_int("steps", steps)
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
         raise TypeError(f"ms.compile: xla must be True or False, got {xla!r}.")
-    flat = tf.nest.flatten(fetches)
+    flat = tf.nest.flatten(fetches, expand_composites=True)
     if not flat:
         raise ValueError("ms.compile: fetches is empty; give the train op (and the loss).")
-    roots = []
-    for i, item in enumerate(flat):
-        item = _graph_element(graph, item, i)
-        if item.graph is not graph:
-            raise ValueError(f"ms.compile: fetch {item.name!r} is not in the default graph.")
-        roots.append(item)
+    roots = [_graph_element(graph, item, i) for i, item in enumerate(flat)]
+    for root in roots:
+        if root.graph is not graph:
+            raise ValueError(f"ms.compile: fetch {root.name!r} is not in the default graph.")
     if mode == "auto":
         mode = "while_loop"
     if xla and mode == "unrolled" and steps > 1:
@@ -244,20 +265,56 @@ def compile(fetches, steps, *, feeds=None, mode="while_loop", xla=False, name="m
             "simplifies across the copies' applies (step k+1 reads what step k wrote), so "
             "the steps would not be bitwise those of the step compiled alone (an MLP with "
             "Adam differed). Use mode='while_loop' with xla=True: bitwise, one body.")
+    links = _links(graph, carry)
     with tf.name_scope(name) as scope:
-        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla)
-    structured = tf.nest.pack_sequence_as(fetches, built.values)
+        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links)
+    if built.program is not None:
+        lint.warn_random_under_xla(built.program, name=built.label)
+    structured = tf.nest.pack_sequence_as(fetches, built.values, expand_composites=True)
+    loss = _loss(fetches, roots)
     return Compiled(
-        train_op=built.train_op, values=structured, losses=_losses(roots, structured),
-        summaries=_summaries(roots, structured),
+        train_op=built.train_op, values=structured,
+        losses=None if loss is None else built.values[loss],
+        summaries=_summaries(fetches, roots, built.values),
         inputs=dict(built.inputs), steps=steps, name=built.label,
         mode=mode + ("+xla" if xla else ""),
         global_step=_global_step(graph, built.copied),
         steps_per_run=built.run_length.variable if built.run_length is not None else None,
+        carry=dict(zip(links, built.carried)) if links else None,
+        carry_in=list(links) if links else None,
         _run_length=built.run_length,
         _by_name={original.name: (original, per_step)
                   for original, per_step in built.inputs.items()},
-        _copied=frozenset(op.name for op in built.copied))
+        _copied=frozenset(op.name for op in built.copied),
+        _carried_names=frozenset(t.name for t in links),
+        _fetched=tuple(root for root in roots if isinstance(root, tf.Tensor)))
+
+
+def _links(graph, carry):
+    """``carry`` ({initial: final}) as ``build``'s links: {initial: (initial, final)}."""
+    if carry is None:
+        return {}
+    if not isinstance(carry, dict):
+        raise TypeError(f"ms.compile: carry must be a dict {{initial: final}} (an RNN's "
+                        f"initial state -> its final state), got {type(carry).__name__}.")
+    links = {}
+    for initial, final in carry.items():
+        pairs = zip(tf.nest.flatten(initial, expand_composites=True),
+                    tf.nest.flatten(final, expand_composites=True))
+        if len(tf.nest.flatten(initial)) != len(tf.nest.flatten(final)):
+            raise ValueError(f"ms.compile: carry pairs {initial!r} with {final!r}, which "
+                             f"differ in structure.")
+        for a, b in pairs:
+            a, b = (_graph_element(graph, t, "carry") for t in (a, b))
+            if not isinstance(a, tf.Tensor) or not isinstance(b, tf.Tensor):
+                raise TypeError(f"ms.compile: carry takes tensors, got {a!r}: {b!r}.")
+            if a.dtype.base_dtype != b.dtype.base_dtype or not a.shape.is_compatible_with(b.shape):
+                raise ValueError(
+                    f"ms.compile: carry pairs {a.name!r} ({a.dtype.name} {a.shape}) with "
+                    f"{b.name!r} ({b.dtype.name} {b.shape}); the final state must have the "
+                    f"initial state's dtype and shape.")
+            links[a] = (a, b)
+    return links
 
 
 Built = collections.namedtuple("Built", "values train_op run_length inputs carried copied label "
@@ -285,13 +342,20 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     Returns a ``Built``: ``values`` (per root: the op's train op, or the tensor's ``[N,
     ...]`` values), ``carried`` (each link's value after the last step), ..."""
     given, links = dict(given or {}), dict(links or {})
+    if mode == "while_loop" and steps > MOST_LOOP_STEPS:
+        raise ValueError(
+            f"{label}: steps={steps} is more than a loop can count: its step counter and "
+            f"run length are int32, so a run makes at most {MOST_LOOP_STEPS} steps. Ask for "
+            f"fewer (a run of a million steps already makes the call's cost nothing).")
+    internal = {t.op for t in list(given) + list(links)}
     ops = _ancestors_in_order([r if isinstance(r, tf.Operation) else r.op for r in roots]
                               + [following.op for _, following in links.values()])
-    where = {op: placement(op) for op in ops}
+    where = {op: "input" if op in internal else placement(op) for op in ops}
     placeholders = [op for op in ops if where[op] == "input"]
-    internal = {t.op for t in list(given) + list(links)}
-    fed = _per_step_placeholders([p for p in placeholders if p not in internal], feeds)
-    randoms = lint.stateful_random_ops(op for op in ops if where[op] == "copied")
+    fed = per_step_placeholders([p for p in placeholders if p not in internal], feeds)
+    _refuse_ref_variables([op for op in ops if where[op] == "shared"], mode, xla, label)
+    copied = [op for op in ops if where[op] == "copied"]
+    randoms = lint.stateful_random_ops(copied)
     if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
             f"ms.compile: the step draws with stateful random ops ({', '.join(randoms[:3])}); "
@@ -299,6 +363,34 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"restarts the op's stream, so the steps would draw other numbers than single "
             f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
             f"which draws the single steps' stream.")
+    if randoms and random == "refuse" and xla:
+        warnings.warn(
+            f"{label}: xla=True over stateful random ops ({', '.join(randoms[:3])}): XLA draws "
+            f"them with a generator of its own, which follows neither TensorFlow's stream nor "
+            f"the seed from one run to the next, so the steps match neither single steps nor "
+            f"another run of this program (ms.verify reports it). "
+            f"{lint.stateless_replacement(randoms)} Or build without XLA.",
+            RuntimeWarning, stacklevel=lint.user_stacklevel())
+    elif randoms and random == "refuse" and mode == "while_loop":
+        warnings.warn(
+            f"{label}: the step draws with stateful random ops ({', '.join(randoms[:3])}). "
+            f"The loop body's copy of each is a kernel of its own, seeded as the original: "
+            f"its draws are those of the program's own single steps only while it is the one "
+            f"kernel of the op that runs in this session. Running the original ops too (a "
+            f"hook that fetches the original loss, an evaluation sess.run through them, the "
+            f"original train op) or another ms.compile of this step (a steps=1 program for "
+            f"an epoch's remainder: use set_steps_per_run or fused.run(sess, feeds=[...]) "
+            f"instead) draws from a stream of its own, and the steps then differ from the "
+            f"program as written. {lint.stateless_replacement(randoms)}",
+            RuntimeWarning, stacklevel=lint.user_stacklevel())
+    convolutions = sorted({op.type for op in copied if op.type.startswith(("Conv", "DepthwiseConv"))})
+    if xla and convolutions:
+        warnings.warn(
+            f"{label}: xla=True over convolutions ({', '.join(convolutions)}): on the CPU XLA "
+            f"runs convolutions with kernels of its own, not oneDNN's, which can be many "
+            f"times slower. Measure both (multistep bench) before choosing xla=True. "
+            f"(Bitwise still means: equal to single steps of the step compiled alone.)",
+            RuntimeWarning, stacklevel=lint.user_stacklevel())
     nccl = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Nccl")]
     keyed = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Collective")]
     if mode == "unrolled" and steps > 1 and (nccl or steps > MOST_KEYED_COPIES and keyed):
@@ -307,20 +399,22 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"{steps} unrolled copies of it need keys of their own, which the compiler gives "
             f"collective ops up to {MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
             f"mode='while_loop' (one kernel per op, run once a step) or fewer steps.")
-    copied = [op for op in ops if where[op] == "copied"]
+    if mode == "unrolled" and steps > 1:
+        check_graph_size(tf.compat.v1.get_default_graph(), set(copied).__contains__, steps,
+                         label)
     template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
-                         strip, label)
+                           strip, label)._replace(at_end=state_fetches(roots, copied))
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
         for node in template.graph_def.node:
             if node.op in _FUNCTIONAL_CONTROL_FLOW:
                 node.attr["_lower_using_switch_merge"].b = False
     with tf.name_scope("inputs"):
-        inputs = {p.outputs[0]: _per_step_input(p) for p in fed}
+        inputs = {p.outputs[0]: per_step_input(p, label) for p in fed}
     if mode == "while_loop" and run_length is None:
         run_length = make_run_length(steps, count_done=False)
     count = steps if mode == "unrolled" else run_length.read
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
-        batches = {**_prepared(inputs, count, label), **given}
+        batches = {**prepared(inputs, count, label), **given}
     core = _unrolled if mode == "unrolled" else _while_loop
     program = None
     with tf.control_dependencies([] if before is None else [before]):
@@ -380,51 +474,6 @@ def _graph_element(graph, item, index):
                     f"or a tensor.")
 
 
-def _per_step_input(placeholder):
-    """The ``[steps, ...]`` placeholder that feeds ``placeholder`` one slice a step; a
-    ``placeholder_with_default`` keeps its default, one value for every step."""
-    original = placeholder.outputs[0]
-    shape = tf.TensorShape([None]).concatenate(original.shape)
-    name = placeholder.name.replace("/", "_")
-    if placeholder.type == "PlaceholderWithDefault":
-        default = np.asarray(tf.get_static_value(placeholder.inputs[0]))[None]
-        return tf.compat.v1.placeholder_with_default(default, shape, name=name)
-    return tf.compat.v1.placeholder(original.dtype, shape, name=name)
-
-
-def _per_step_placeholders(placeholders, feeds):
-    if feeds is None:
-        return placeholders
-    wanted = []
-    for item in tf.nest.flatten(feeds):
-        op = getattr(item, "op", item)
-        if not isinstance(op, tf.Operation) or op.type not in (*PLACEHOLDERS,
-                                                               "PlaceholderWithDefault"):
-            raise TypeError(f"ms.compile: feeds must be placeholders, got {item!r}.")
-        if op not in placeholders:
-            raise ValueError(f"ms.compile: feeds names {op.name!r}, which the step does not read.")
-        wanted.append(op)
-    return [p for p in placeholders if p in wanted]
-
-
-def _prepared(inputs, count, label):
-    """Each per-step input as ``[count, ...]``: a value fed without the leading dimension
-    (``[1, ...]``, Compiled.feed_dict) broadcast to every step, else checked to hold one
-    batch per step."""
-    out = {}
-    for original, fed in inputs.items():
-        lead = tf.shape(fed, out_type=tf.int32)[0]
-        check = tf.debugging.Assert(
-            tf.logical_or(tf.equal(lead, count), tf.equal(lead, 1)),
-            [f"{label}: the value fed to {original.name!r} must hold one batch per step "
-             f"(leading dimension = the steps of the run), or be one batch for every step; "
-             f"leading dimension and steps:", lead, count])
-        with tf.control_dependencies([check]):
-            shape = tf.concat([[count], tf.shape(fed, out_type=tf.int32)[1:]], 0)
-            out[original] = tf.broadcast_to(fed, shape)
-    return out
-
-
 def _unrolled(template, roots, batches, links, count, steps, label, done, static=False):
     """N copies, each after the one before; returns (a builder of the values, the last
     copy's end, each link's value after the last copy)."""
@@ -449,9 +498,7 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
         for j, root in enumerate(roots):
             if isinstance(root, tf.Operation):
                 out.append(None)
-            elif per_step[0][j] is root:  # a shared op fetched: its value after the run
-                out.append(tf.identity(root, name=f"values_{j}"))
-            else:
+            else:  # (a shared placeholder or constant fetched: its value at every step)
                 out.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
         return out
 
@@ -484,7 +531,7 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
                 return [i + 1, written, [tf.identity(f) for f in following]]
 
     size = steps if static else count
-    arrays = [tf.TensorArray(roots[j].dtype, size=size, element_shape=roots[j].shape)
+    arrays = [tf.TensorArray(roots[j].dtype.base_dtype, size=size, element_shape=roots[j].shape)
               for j in tensors]
     first = [first for first, _ in links.values()]
     start = [] if done is None else [done.assign(0, read_value=False)]
@@ -502,24 +549,87 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
     return values, i.op, carried
 
 
-def _losses(roots, values):
-    """The values of the fetch that is the loss: the one keyed "loss" in a dict, else the
-    only float scalar tensor fetched; or None."""
-    if isinstance(values, dict) and "loss" in values:
-        return values["loss"]
-    scalars = [v for v, f in zip(tf.nest.flatten(values), roots)
-               if isinstance(f, tf.Tensor) and f.dtype.is_floating and f.shape.rank == 0]
+def _loss(fetches, roots):
+    """The index in ``roots`` of the fetch that is the loss: the one keyed "loss" in a
+    dict, else the only float scalar tensor fetched that is differentiable in a variable
+    (an accuracy fetched beside the loss reaches the weights only through ``argmax`` and
+    ``equal``, which have no gradient); or None."""
+    index = tf.nest.pack_sequence_as(fetches, list(range(len(roots))), expand_composites=True)
+    if isinstance(fetches, dict) and "loss" in fetches:
+        return index["loss"] if isinstance(index["loss"], int) else None
+    scalars = [j for j, r in enumerate(roots) if isinstance(r, tf.Tensor)
+               and r.dtype.is_floating and r.shape.rank == 0 and _differentiable(r)]
     return scalars[0] if len(scalars) == 1 else None
 
 
-def _summaries(roots, values):
+def _differentiable(tensor):
+    """Whether ``tensor`` reaches a variable through ops that have a gradient."""
+    from tensorflow.python.framework import ops as ops_lib
+    stack, seen = [tensor.op], set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in ("VarHandleOp", "VariableV2", "Variable"):
+            return True
+        try:
+            if ops_lib._gradient_registry.lookup(op.type) is None:  # noqa: SLF001 (NotDifferentiable)
+                continue
+        except LookupError:  # no gradient registered
+            if op.type not in ("ReadVariableOp", "Identity"):
+                continue
+        stack.extend(t.op for t in op.inputs)
+    return False
+
+
+def _summaries(fetches, roots, values):
     """The values of the fetch that is the step's merged summary: the one keyed "summary"
     in a dict, else the only string scalar that a summary op makes; or None."""
-    if isinstance(values, dict) and "summary" in values:
-        return values["summary"]
-    found = [v for v, f in zip(tf.nest.flatten(values), roots)
+    if isinstance(fetches, dict) and "summary" in fetches:
+        index = tf.nest.pack_sequence_as(fetches, list(range(len(roots))),
+                                         expand_composites=True)["summary"]
+        return values[index] if isinstance(index, int) else None
+    found = [v for v, f in zip(values, roots)
              if isinstance(f, tf.Tensor) and f.dtype == tf.string and f.op.type.endswith("Summary")]
     return found[0] if len(found) == 1 else None
+
+
+def _refuse_ref_variables(shared, mode, xla, label):
+    """Refuse ref variables where the steps cannot carry them: in an XLA program, and in
+    a v2 ``tf.while_loop`` body (a function, which cannot capture a ref)."""
+    refs = sorted(op.name for op in shared if op.type in ("VariableV2", "Variable"))
+    loop_v2 = mode == "while_loop" and tf.compat.v1.control_flow_v2_enabled()
+    if not refs or not (xla or loop_v2):
+        return
+    where = ("xla=True: XLA compiles resource variables only" if xla else
+             "mode='while_loop' under v2 control flow: the loop body is a function, which "
+             "cannot capture a ref variable")
+    fix = ("build without XLA" if xla else
+           "mode='unrolled', or disable_v2_behavior() (v1 control flow carries refs)")
+    raise ValueError(
+        f"{label}: the step uses ref variable(s) {', '.join(map(repr, refs[:3]))}"
+        f"{', ...' if len(refs) > 3 else ''} (use_resource=False, what "
+        f"disable_v2_behavior() and disable_resource_variables() make), and {where}. Fix: "
+        f"resource variables (tf.compat.v1.enable_resource_variables() before the model is "
+        f"built, or use_resource=True), or {fix}.")
+
+
+def check_graph_size(graph, in_step, steps, label):
+    """Refuse ``steps`` copies of the step (the graph's ops for which ``in_step(op)``)
+    that would make a GraphDef over protobuf's limit."""
+    now = step_bytes = 0
+    for op in graph.get_operations():
+        size = op.node_def.ByteSize()
+        now += size
+        step_bytes += size if in_step(op) else 0
+    estimate = now + steps * step_bytes
+    if estimate > GRAPHDEF_LIMIT:
+        raise GraphTooLargeError(
+            f"{label}: {steps} unrolled steps of about {step_bytes / 2**20:.1f} MiB each "
+            f"would make a GraphDef of about {estimate / 2**30:.1f} GiB, over protobuf's "
+            f"2 GiB limit. Use mode='while_loop' (one step body whatever N), a smaller "
+            f"N, or feed large constants through placeholders instead of embedding them.")
 
 
 def _global_step(graph, copied):

@@ -13,9 +13,11 @@ import tensorflow as tf
 from multistep import lint
 
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
+AT_END = "_at_end/"  # the key prefix of a fetched state's read at a copy's end
 
 _Template = collections.namedtuple(
-    "_Template", "graph_def names colocation shared inputs ordered rename keys")
+    "_Template", "graph_def names colocation shared inputs ordered rename keys at_end",
+    defaults=((),))  # at_end: see import_copies
 # Copy k of a collective op (unrolled) takes instance key + k * _KEY_STRIDE: N copies of one
 # key would meet as one collective. TensorFlow numbers a graph's keys from a counter, so
 # the copies' keys stay clear of those built after; int32 keys bound the copies.
@@ -120,14 +122,17 @@ def import_copies(template, copies, roots):
     per-step placeholder reads ``slices[placeholder]``, and the ops ``_needs_order``
     names take ``before`` as a control input: None, an op, or ``"previous"`` (the end of
     the copy before it). Each copy ends with a NoOp ``<prefix>/end`` after the copies of
-    the fetches. Returns ({original name: op} of each copy, the end op of each copy)."""
+    the fetches. ``template.at_end``: fetched tensors of state (a variable's read, a ref) read
+    again in each copy after its fetches and before its end (``AT_END`` + the tensor's
+    name in the copy's dict), so that each step returns its state as of its own end.
+    Returns ({original name: op} of each copy, the end op of each copy)."""
     graph = tf.compat.v1.get_default_graph()
     graph_def = tf.compat.v1.GraphDef()
     input_map = dict(template.shared)
     copied = set(template.names)
     fetched = [root if isinstance(root, tf.Operation) else root.op for root in roots]
     fetched = [op.name for op in fetched if op.name in copied]
-    names, rename = [], template.rename
+    names, rename, at_end = [], template.rename, template.at_end
     for k, (prefix, slices, before) in enumerate(copies):
         linked = {}  # placeholder op name -> a tensor of this GraphDef (the copy before's)
         for original, value in slices.items():
@@ -171,9 +176,27 @@ def import_copies(template, copies, roots):
             if source.op in ("Enter", "RefEnter"):  # v1 loops: a frame name per copy
                 node.attr["frame_name"].s = f"{prefix}/".encode() + source.attr["frame_name"].s
             names.append(node.name)
+        after = [f"^{rename(name, prefix)}" for name in fetched]
+        reads = []
+        for i, tensor in enumerate(at_end):
+            node = graph_def.node.add()
+            node.name = f"{prefix}/_at_end_{i}"
+            if tensor.op.type == "ReadVariableOp":  # a read of its own, after the step
+                node.op = "ReadVariableOp"
+                node.input.append(renamed(tensor.op.node_def.input[0]))
+                node.attr["dtype"].type = tensor.dtype.as_datatype_enum
+            else:  # a ref: its value now, copied (later steps write the buffer)
+                node.op = "Snapshot"
+                node.input.append(renamed(tensor.name))
+                node.attr["T"].type = tensor.dtype.base_dtype.as_datatype_enum
+                if tensor.op.name not in copied:
+                    input_map.setdefault(tensor.name, tensor)
+            node.input.extend(after)
+            reads.append(node.name)
+        names.extend(reads)
         end = graph_def.node.add()
         end.name, end.op = f"{prefix}/end", "NoOp"
-        end.input[:] = [f"^{rename(name, prefix)}" for name in fetched]
+        end.input[:] = after + [f"^{r}" for r in reads]
         names.append(end.name)
     used = {i for node in graph_def.node for i in node.input}
     input_map = {k: v for k, v in input_map.items() if k in used}  # (an unused key is an error)
@@ -182,11 +205,12 @@ def import_copies(template, copies, roots):
                      for k, v in input_map.items()}
     imported = tf.import_graph_def(graph_def, input_map=input_map, return_elements=names,
                                    name="")  # "": the names as written, absolute
-    size = len(template.names) + 1
+    size = len(template.names) + len(at_end) + 1
     out, ends = [], []
     for k in range(len(copies)):
         ops = imported[k * size:(k + 1) * size]
-        one = dict(zip(template.names, ops[:-1]))
+        one = dict(zip(template.names, ops[:len(template.names)]))
+        one.update((AT_END + t.name, op) for t, op in zip(at_end, ops[len(template.names):-1]))
         for name, classes in template.colocation.items():
             targets = [c[len("loc:@"):] for c in classes if c.startswith("loc:@")]
             mapped = [f"loc:@{one[t].name}" if t in one else f"loc:@{t}" for t in targets]
@@ -197,13 +221,27 @@ def import_copies(template, copies, roots):
     return out, ends
 
 
+def state_fetches(roots, copied):
+    """The fetched tensors of state that a step returns as of its end, as a single step's
+    ``sess.run`` returns them: refs (a ref variable, an ``assign_add``'s ref output), and
+    reads of a resource variable that nothing in the step consumes (``sess.run`` of a
+    Variable makes one: unordered with the step's writes)."""
+    members = set(copied)
+    return [root for root in roots if isinstance(root, tf.Tensor) and (
+        root.dtype._is_ref_dtype or root.op.type == "ReadVariableOp"  # noqa: SLF001
+        and not any(c in members for c in root.consumers()))]
+
+
 def fetched_in(copies, roots, outside):
-    """The copy's counterpart of each fetch (an op or a tensor); ``outside(root)`` for a
-    fetch the copy does not hold (a placeholder or a shared op)."""
+    """The copy's counterpart of each fetch (an op or a tensor; a state fetch's read at
+    the copy's end); ``outside(root)`` for a fetch the copy does not hold (a placeholder
+    or a shared op)."""
     out = []
     for root in roots:
         op = root if isinstance(root, tf.Operation) else root.op
-        if op.name not in copies:
+        if isinstance(root, tf.Tensor) and AT_END + root.name in copies:
+            out.append(copies[AT_END + root.name].outputs[0])
+        elif op.name not in copies:
             out.append(outside(root))
         elif isinstance(root, tf.Operation):
             out.append(copies[op.name])

@@ -21,6 +21,7 @@ import sys
 import warnings
 
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
 
 __all__ = ["ALIAS_OPS", "CALL_OPS", "StaleForwardError", "ancestors", "built_at", "captures",
            "check_built_outside", "check_captures", "check_dangling", "is_stateful_random",
@@ -292,8 +293,8 @@ def _outer_function(graph, name):
     """The FunctionDef ``name`` of a graph around ``graph``, or None."""
     while graph is not None:
         function = graph._functions.get(name)  # noqa: SLF001 (no public lookup by name)
-        if function is not None:
-            return function.cached_definition
+        if function is not None:  # (a v1 Defun's: .definition)
+            return getattr(function, "cached_definition", None) or function.definition
         graph = getattr(graph, "outer_graph", None)
     return None
 
@@ -356,21 +357,50 @@ def is_stateful_random(op):
     ``RandomShuffle``, ``Multinomial``, ... Every stateful op TensorFlow registers with
     those two attributes is one; stateless ops (``StatelessRandom*``) take their seed
     as an input, and a ``tf.random.Generator``'s draws follow its state variable."""
-    if op.type in _STATEFUL_RANDOM_OPS:
+    return _is_stateful_random_type(op.type)
+
+
+def _is_stateful_random_type(op_type):
+    if op_type in _STATEFUL_RANDOM_OPS:
         return True
-    try:
-        op_def = op.op_def
-    except (AttributeError, ValueError):
-        return False
-    return op_def.is_stateful and {"seed", "seed2"} <= {a.name for a in op_def.attr}
+    op_def = op_def_registry.get(op_type)
+    return (op_def is not None and op_def.is_stateful
+            and {"seed", "seed2"} <= {a.name for a in op_def.attr})
+
+
+def _called(node_def):
+    """The names of the functions a node calls (a cond's branches, a loop's body and
+    condition, a call's function)."""
+    for attr in node_def.attr.values():
+        if attr.HasField("func"):
+            yield attr.func.name
+        yield from (f.name for f in attr.list.func)
 
 
 def stateful_random_ops(ops):
-    """The stateful random ops among ``ops``, as ``'name' (Type)`` strings, sorted."""
-    return sorted({f"'{op.name}' ({op.type})" for op in ops if is_stateful_random(op)})
+    """The stateful random ops among ``ops`` and inside the functions they call (a
+    ``tf.cond`` or ``tf.while_loop`` under v2 control flow, a ``tf.function``), as
+    ``'name' (Type)`` strings, sorted. A ``tf.data`` op's functions (its ``map``) are
+    the pipeline's, not the step's, and are not searched."""
+    found = set()
+    for op in ops:
+        if is_stateful_random(op):
+            found.add(f"'{op.name}' ({op.type})")
+        if "Dataset" in op.type or "Iterator" in op.type:
+            continue
+        queue, seen = list(_called(op.node_def)), set()
+        while queue:
+            name = queue.pop()
+            function = None if name in seen else _outer_function(op.graph, name)
+            seen.add(name)
+            for node in function.node_def if function is not None else ():
+                if _is_stateful_random_type(node.op):
+                    found.add(f"'{node.name}' ({node.op}) in a function {op.name!r} calls")
+                queue.extend(_called(node))
+    return sorted(found)
 
 
-def _replacement(found):
+def stateless_replacement(found):
     if any("CandidateSampler" in what for what in found):
         return ("For nce_loss and sampled_softmax_loss, pass sampled_values= from a "
                 "stateless sampler keyed on the global step: "
@@ -389,7 +419,7 @@ def warn_stateful_random(step_root, *, name):
             f"{name}: loss_fn uses stateful random ops ({', '.join(found[:3])}"
             f"{', ...' if len(found) > 3 else ''}); their draws depend on how many "
             f"sess.run calls were made, so fused and single-step results will "
-            f"differ and ms.verify will fail. {_replacement(found)}",
+            f"differ and ms.verify will fail. {stateless_replacement(found)}",
             RuntimeWarning, stacklevel=user_stacklevel())
 
 

@@ -26,8 +26,9 @@ import weakref
 import tensorflow as tf
 
 from multistep import auto, checks, lint
-from multistep.compile import (_PLAIN_SESSIONS, build, callable_for, make_run_length,
-                               positive_int, set_steps_per_run)
+from multistep.compile import (_PLAIN_SESSIONS, GraphTooLargeError, build, callable_for,
+                               check_graph_size, make_run_length, positive_int,
+                               set_steps_per_run)
 from multistep import phases as phases_lib
 from multistep import step as step_lib
 from multistep.checks import RECORDS
@@ -185,11 +186,6 @@ UPDATE_OPS = (True, False, "all")
 GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 SLOW_BUILD_SECONDS = 10.0  # an unrolled build that takes longer gets a warning
 UNROLLED_XLA_WARN_STEPS = 32  # past this N, Unrolled.run reports unrolled XLA's compile time
-GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
-
-
-class GraphTooLargeError(ValueError):
-    """An unrolled graph would pass the 2 GB GraphDef limit."""
 
 
 # In a strategy's call_for_each_replica, AutoGraph converts the function it runs and
@@ -454,7 +450,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         if steps > 1 and (mode == "unrolled" or xla):  # (a loop body's one kernel draws
             lint.warn_stateful_random(end, name=label)  # the single steps' stream)
         if mode == "unrolled" and steps > 1:
-            _check_graph_size(graph, before, steps, label)
+            check_graph_size(graph, lambda op: op not in before, steps, label)
         links = {} if carry_in is None else {
             placeholder: (first, following) for placeholder, first, following in zip(
                 tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
@@ -607,20 +603,3 @@ def _warn_slow_build(step_seconds, seconds, steps, label):
             f"copy). mode='while_loop' builds the step once and one loop body whatever N, "
             f"about {step_seconds:.1f} s here, with the same results.",
             RuntimeWarning, stacklevel=lint.user_stacklevel())
-
-
-def _check_graph_size(graph, before, steps, label):
-    """Refuse ``steps`` copies of the step (the graph's ops not in ``before``) that would
-    make a GraphDef over protobuf's limit."""
-    now = step_bytes = 0
-    for op in graph.get_operations():
-        size = op.node_def.ByteSize()
-        now += size
-        step_bytes += size if op not in before else 0
-    estimate = now + steps * step_bytes
-    if estimate > GRAPHDEF_LIMIT:
-        raise GraphTooLargeError(
-            f"{label}: {steps} unrolled steps of about {step_bytes / 2**20:.1f} MiB each "
-            f"would make a GraphDef of about {estimate / 2**30:.1f} GiB, over protobuf's "
-            f"2 GiB limit. Use mode='while_loop' (one step body whatever N), a smaller "
-            f"N, or feed large constants through placeholders instead of embedding them.")

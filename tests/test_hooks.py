@@ -193,19 +193,24 @@ def test_set_steps_per_run_between_runs_is_bitwise_the_same_single_steps():
     assert np.array(losses, np.float32).tobytes() == single_losses.tobytes()
 
 
-def test_steps_per_run_is_a_local_variable_initialised_to_steps():
+def test_steps_per_run_is_in_no_collection_and_survives_a_local_variables_reset():
+    """steps_per_run is neither saved (no global variable) nor reset by the per-epoch
+    ``local_variables_initializer()`` of a metric reset (it was a local variable: the
+    reset set the run length back to N). Uninitialised, the loop makes ``steps`` steps."""
     with tf.Graph().as_default():
         unrolled = fused_graph(dataset(), 5)
-        assert unrolled.steps_per_run in V1.local_variables()
+        assert unrolled.steps_per_run not in V1.local_variables()
         assert unrolled.steps_per_run not in V1.global_variables()
         assert unrolled.steps_per_run.dtype == tf.int32
         saved = V1.train.Saver()._var_list  # what a default Saver writes
         assert all("steps_per_run" not in getattr(v, "name", str(v)) for v in saved)
         with V1.Session() as sess:
-            sess.run(V1.global_variables_initializer())  # local variables left uninitialised
-            assert len(unrolled.run(sess)) == 5  # ... the loop then makes `steps` steps
-            sess.run(V1.local_variables_initializer())
-            assert sess.run(unrolled.steps_per_run) == 5
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            assert len(unrolled.run(sess)) == 5  # uninitialised: `steps` steps
+            unrolled.set_steps_per_run(sess, 2)
+            sess.run(V1.local_variables_initializer())  # a metric reset between epochs
+            assert len(unrolled.run(sess)) == 2
+            assert sess.run(unrolled.steps_per_run) == 2
 
 
 def test_set_steps_per_run_refuses_what_it_cannot_do():
