@@ -142,6 +142,9 @@ class Compiled:
       carry, carry_in: with ``carry=``, the carried tensors' values after the run's last
         step, and the tensors each run starts from (fed as the program's own loop feeds
         them).
+      step_increment: what a step adds to the global step (the constants of its
+        ``assign_add``s), or None where the build cannot tell (``StopAtStepHook``
+        measures it at the first run).
       steps, name, mode, global_step, steps_per_run: as ``ms.Unrolled``'s.
     """
 
@@ -159,6 +162,7 @@ class Compiled:
     why: object = None
     carry: object = None
     carry_in: object = None
+    step_increment: object = 1
     _run_length: object = dataclasses.field(default=None, repr=False)
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
     _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
@@ -279,6 +283,7 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         inputs=dict(built.inputs), steps=steps, name=built.label,
         mode=mode + ("+xla" if xla else ""),
         global_step=_global_step(graph, built.copied),
+        step_increment=_step_increment(graph, built.copied),
         steps_per_run=built.run_length.variable if built.run_length is not None else None,
         carry=dict(zip(links, built.carried)) if links else None,
         carry_in=list(links) if links else None,
@@ -639,3 +644,22 @@ def _global_step(graph, copied):
     owner = lint.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
     written = lint.written_variables(copied)
     return step if owner in written else None
+
+
+def _step_increment(graph, copied):
+    """What a step adds to the global step: the sum of the constants its ``assign_add``s
+    add (``minimize(global_step=)`` adds 1), or None where a write is of another kind."""
+    step = tf.compat.v1.train.get_global_step(graph)
+    if step is None:
+        return None
+    owner = lint.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
+    total = 0
+    for op in copied:
+        if not lint.is_write(op) or lint.source_op(op.inputs[0]) is not owner:
+            continue
+        value = tf.get_static_value(op.inputs[1]) if op.type in (
+            "AssignAddVariableOp", "AssignAdd") else None
+        if value is None:
+            return None
+        total += int(value)
+    return total

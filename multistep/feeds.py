@@ -35,8 +35,8 @@ def per_step_input(placeholder, label):
         f"sess.run(fused.train_op, fused.feed_dict(feed_dict)); a value fed to the original "
         f"placeholder reaches no compiled step."], name=f"{name}_unfed")
     with tf.control_dependencies([unfed]):
-        empty = tf.zeros([0] + [d if d is not None else 0 for d in original.shape]
-                         if original.shape.rank is not None else [0], original.dtype)
+        dims = original.shape.as_list() if original.shape.rank is not None else []
+        empty = tf.zeros([0] + [d or 0 for d in dims], original.dtype)
     return tf.compat.v1.placeholder_with_default(empty, shape, name=name)
 
 

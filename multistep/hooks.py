@@ -69,6 +69,13 @@ class _Runs:
             raise TypeError(f"{who} takes the Unrolled that ms.unroll returned (or the "
                             f"Compiled of ms.compile), got "
                             f"{type(unrolled).__name__}.")
+        if unrolled.losses is None:
+            raise ValueError(
+                f"{who}: {unrolled.name} fetches no loss (ms.compile found none: none keyed "
+                f"'loss' in a dict, and not exactly one float scalar that a variable's "
+                f"gradient flows from), and the hooks place each inner step by its loss. "
+                f"Compile the loss in a dict under the key 'loss', e.g. ms.compile({{'loss': "
+                f"d_loss, 'g_loss': g_loss, 'train': train_op}}, steps).")
         if needs_global_step and unrolled.global_step is None:
             raise ValueError(
                 f"{who} needs the global step to place each inner step: build with "
@@ -248,6 +255,7 @@ class StopAtStepHook(V1.train.SessionRunHook):
         self._last_step = None if last_step is None else int(last_step)
         self._num_steps = None if num_steps is None else int(num_steps)
         self._step = None  # the global step now, as the last run left it
+        self._increment = 1  # what a step adds to the global step (None: not known yet)
 
     def begin(self):
         self._runs.begin()
@@ -258,6 +266,7 @@ class StopAtStepHook(V1.train.SessionRunHook):
         if self._last_step is None:
             self._last_step = self._step + self._num_steps
         left = self._last_step - self._step
+        self._increment = getattr(unrolled, "step_increment", 1)
         if left <= 0:
             coord.request_stop()
         elif unrolled.steps_per_run is None and left % unrolled.steps:
@@ -274,7 +283,10 @@ class StopAtStepHook(V1.train.SessionRunHook):
         args = self._runs.before(run_context)
         unrolled = self._runs.unrolled
         if args is not None and unrolled.steps_per_run is not None:
-            left = self._last_step - self._step
+            # The steps that reach last_step (rounded up, as TensorFlow's hook stops at the
+            # first global step at or past it), each advancing the global step by
+            # ``step_increment`` (measured at the first run where the build cannot tell).
+            left = -(-(self._last_step - self._step) // (self._increment or 1))
             if left < unrolled.steps:
                 session = run_context.session
                 if session.run(unrolled._run_length.read) > left:
@@ -282,9 +294,13 @@ class StopAtStepHook(V1.train.SessionRunHook):
         return args
 
     def after_run(self, run_context, run_values):
+        before = self._step
         run = self._runs.after(run_values.results, run_context.session)
         if run is not None:
             self._step = run.steps[-1]
+            advanced, n = self._step - before, len(run.losses)
+            if self._increment is None and advanced > 0 and advanced % n == 0:
+                self._increment = advanced // n
         if self._step >= self._last_step:
             run_context.request_stop()
 
@@ -536,9 +552,13 @@ class InputExhaustedHook(V1.train.SessionRunHook):
         return args
 
     def after_run(self, run_context, run_values):
+        before = self._step
         run = self._runs.after(run_values.results, run_context.session)
         if run is not None:
             self._step = run.steps[-1]
+            advanced, n = self._step - before, len(run.losses)
+            if self._increment is None and advanced > 0 and advanced % n == 0:
+                self._increment = advanced // n
         self._pending = None
 
     def end(self, session):

@@ -8,7 +8,7 @@ summaries), is copied.
 
 import tensorflow as tf
 
-__all__ = ["STATE_OWNERS", "placement"]
+__all__ = ["STATE_OWNERS", "STEP_RESOURCES", "placement"]
 
 # Ops that own state that outlives a step: shared by every copy. (Placeholders are the
 # step's inputs: each copy reads its own slice.)
@@ -24,15 +24,24 @@ STATE_OWNERS = frozenset({
     "WholeFileReader", "WholeFileReaderV2", "TextLineReader", "TextLineReaderV2",
     "FixedLengthRecordReader", "FixedLengthRecordReaderV2", "TFRecordReader",
     "TFRecordReaderV2", "IdentityReader", "IdentityReaderV2", "LMDBReader",
-    "ConditionalAccumulator", "SparseConditionalAccumulator", "Barrier", "MutexV2",
-    "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
+    "ConditionalAccumulator", "SparseConditionalAccumulator", "ResourceConditionalAccumulator",
+    "Barrier", "MutexV2", "SummaryWriter", "StatsAggregator", "StatsAggregatorV2",
+    "StatsAggregatorHandle", "StatsAggregatorHandleV2", "ExperimentalStatsAggregatorHandle",
+    "AnonymousMutableDenseHashTable", "AnonymousMutableHashTableOfTensors",
+    "AnonymousMultiDeviceIterator", "AnonymousMultiDeviceIteratorV3",
+    "AnonymousMemoryCache", "DummyMemoryCache", "DummyIterationCounter",
+    "AnonymousSeedGenerator", "AnonymousRandomSeedGenerator", "DummySeedGenerator",
+    "ThreadPoolHandle", "ExperimentalThreadPoolHandle", "CollectiveInitializeCommunicator",
+    "BoostedTreesEnsembleResourceHandleOp", "BoostedTreesQuantileStreamResourceHandleOp",
 })
 PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
 # Ops that make a resource for the step's own use, live only while it runs, or look up
-# shared state by a handle string (a feedable iterator): copied.
-_STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
-                             "Stack", "TemporaryVariable", "IteratorFromStringHandle",
-                             "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle"})
+# shared state by a handle string (a feedable iterator), or store a step's value in the
+# session (a session handle: a single step stores one each run): copied.
+STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "TensorArrayGrad", "StackV2",
+                            "Stack", "TemporaryVariable", "IteratorFromStringHandle",
+                            "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle",
+                            "GetSessionHandle", "GetSessionHandleV2"})
 
 
 def placement(op):
@@ -45,7 +54,7 @@ def placement(op):
         return "input"
     if op.type == "PlaceholderWithDefault" and tf.get_static_value(op.inputs[0]) is not None:
         return "input"  # (a default computed in the step: copied, and refused if fed)
-    if op.type in _STEP_RESOURCES:
+    if op.type in STEP_RESOURCES:
         return "copied"
     if any(map(_is_state, op.outputs)) and not any(map(_is_state, op.inputs)):
         raise ValueError(
@@ -53,7 +62,8 @@ def placement(op):
             f"its own; it is neither known state to share between the steps (variables, "
             f"iterators, tables, queues, readers) nor a step's temporary to copy, so the "
             f"compiler cannot tell whether N steps should share it. Please report the op "
-            f"type; meanwhile fetch a step that does not reach it.")
+            f"type (tests/test_placement.py audits TensorFlow's registry); meanwhile fetch a "
+            f"step that does not reach it.")
     return "copied"
 
 

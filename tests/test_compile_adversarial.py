@@ -1,0 +1,402 @@
+"""Issue 36: programs an adversarial user writes, through ``ms.compile``: each bitwise with
+the program's own single ``sess.run`` calls, or refused (warned) before a step is applied
+with a message that names the op or argument and the fix. Tests are named by case."""
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+V1 = tf.compat.v1
+_rng = np.random.RandomState(36)
+XS = _rng.randn(6, 4, 3).astype(np.float32)
+
+
+def _dense_program(dropout=None, ref=False):
+    """x -> w -> (dropout) -> squared error; SGD, a global step. ``dropout``: None,
+    "cond" (v2 tf.cond on a training switch), or "function" (a tf.function helper)."""
+    x = V1.placeholder(tf.float32, [None, 3], "x")
+    w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32),
+                        use_resource=not ref)
+    h = tf.matmul(x, w)
+    if dropout == "cond":
+        training = V1.placeholder_with_default(True, [], "training")
+        h = tf.cond(training, lambda: tf.nn.dropout(h, rate=0.5, seed=7), lambda: h)
+    elif dropout == "plain":
+        h = tf.nn.dropout(h, rate=0.5, seed=7)
+    elif dropout == "function":
+        h = tf.function(lambda t: tf.nn.dropout(t, rate=0.5, seed=7))(h)
+    loss = tf.reduce_mean(tf.square(h - 1.0))
+    gs = V1.train.get_or_create_global_step()
+    train = V1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=gs)
+    return x, loss, train, gs
+
+
+def _globals(sess):
+    return {v.op.name: sess.run(v) for v in V1.global_variables()
+            if not v.op.name.startswith("multistep/")}
+
+
+def _single_steps(fetches_of, count):
+    """The program as written: ``count`` single sess.run calls, one batch each."""
+    with tf.Graph().as_default():
+        x, fetches = fetches_of()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            values = [sess.run(fetches, {x: XS[k]}) for k in range(count)]
+            return values, _globals(sess)
+
+
+def _same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("where", ["cond", "function"])
+def test_case01_a_random_op_inside_a_function_is_refused_in_unrolled_mode(where):
+    """A dropout inside a v2 tf.cond branch or a tf.function: each unrolled copy would
+    restart its stream. On main it built and ran silently (weights 0.27 apart)."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program(dropout=where)
+        with pytest.raises(ValueError, match=r"RandomUniform\) in a function .* mode='while_loop'"):
+            ms.compile([loss, train], steps=3, mode="unrolled")
+
+
+def test_case02_loop_mode_over_random_ops_warns_when_its_draws_are_the_programs():
+    """Loop mode's body draws the single steps' stream only while it is the one kernel
+    of the op that runs: the build says so, naming the op and what breaks it. On main:
+    no warning."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program(dropout="cond")
+        with pytest.warns(RuntimeWarning, match=r"RandomUniform.*only while it is the one kernel"
+                                                r".*another ms.compile of this step"):
+            ms.compile([loss, train], steps=3)
+
+
+def test_case03_a_placeholder_without_a_shape_fed_a_batch_is_refused_with_the_fix():
+    """An unknown rank makes "one batch a step" and "this batch every step" the same
+    feed: refused before any step, naming the placeholder and both fixes. On main each
+    step trained on one row."""
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, name="x_no_shape")
+        w = V1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        fused = ms.compile([loss, train], steps=4)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            before = sess.run(w)
+            with pytest.raises(ValueError, match=r"'x_no_shape:0' has no shape.*Give the "
+                                                 r"placeholder a shape.*feeds=\["):
+                fused.run(sess, {x: XS[0]})
+            assert sess.run(w).tobytes() == before.tobytes()  # nothing applied
+            # The run's feed dicts, one a step, are unambiguous: bitwise with single steps.
+            got = fused.run(sess, feeds=[{x: XS[k]} for k in range(4)])[0]
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, name="x_no_shape")
+        w = V1.get_variable("w", initializer=np.ones([3, 1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run([loss, train], {x: XS[k]})[0] for k in range(4)]
+    assert got.tobytes() == np.array(want, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case04_a_fetched_variable_is_its_value_at_each_steps_end(mode):
+    """The canonical loop fetches [loss, train_op, global_step] (and a counter's
+    assign_add): each step's value is what that single step's sess.run returns, the
+    value at the step's end. On main the resource read was unordered with the increment
+    ([1, 1, 2] in one run) and a ref Variable gave one value a run in unrolled mode."""
+    def program(ref):
+        x, loss, train, gs = _dense_program(ref=ref)
+        counter = V1.get_variable("counter", initializer=0, use_resource=not ref)
+        with tf.control_dependencies([train]):
+            bump = counter.assign_add(1)
+        return x, [loss, bump, gs, counter]
+
+    for ref in ([False, True] if mode == "unrolled" else [False]):
+        with tf.Graph().as_default():
+            x, fetches = program(ref)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                want = []
+                for k in range(6):
+                    loss, bump, _, _ = sess.run(fetches, {x: XS[k]})
+                    # The fetched Variables' values at the step's end (the single step's
+                    # own fetch of a resource variable is unordered with its increment).
+                    want.append([loss, bump, *sess.run(fetches[2:])])
+                want_vars = _globals(sess)
+        with tf.Graph().as_default():
+            x, fetches = program(ref)
+            fused = ms.compile(fetches, steps=3, mode=mode)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                runs = [fused.run(sess, {x: XS[3 * r:3 * r + 3]}) for r in range(2)]
+                got_vars = _globals(sess)
+        for j in range(4):
+            got = np.concatenate([np.asarray(run[j]).reshape(3) for run in runs])
+            assert got.tolist() == [np.asarray(v[j]).item() for v in want], (ref, j)
+        _same(got_vars, want_vars)
+
+
+def test_case05_xla_over_random_ops_warns():
+    """xla=True draws a stateful random op with XLA's own generator: warned, naming the
+    op. On main: no warning."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program(dropout="plain")
+        with pytest.warns(RuntimeWarning, match=r"xla=True over stateful random ops.*RandomUniform"):
+            ms.compile([loss, train], steps=3, xla=True)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case07_a_fetched_shared_placeholder_or_constant_has_one_value_a_step(mode):
+    """One structure in both modes: [N] values, as N sess.run calls return N values. On
+    main unrolled mode gave one value a run."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        lr = V1.placeholder(tf.float32, [], "lr")
+        fused = ms.compile([loss, train, lr, tf.constant(2.5)], steps=3, mode=mode, feeds=[x])
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            _, _, lrs, consts = fused.run(sess, {x: XS[:3], lr: 0.5})
+    assert lrs.tolist() == [0.5] * 3 and consts.tolist() == [2.5] * 3
+
+
+def test_case08_stop_at_step_sizes_the_last_run_by_the_steps_increment(tmp_path):
+    """A step that advances the global step by 2: StopAtStepHook(last_step=10) stops at
+    10, as TensorFlow's hook over single steps does. On main: runs of 4 and 2, global
+    step 12."""
+    def program():
+        x, loss, train, gs = _dense_program()
+        with tf.control_dependencies([train]):
+            train = gs.assign_add(1).op  # a second increment a step
+        return x, loss, train, gs
+
+    with tf.Graph().as_default():
+        x, loss, train, gs = program()
+        hooks = [V1.train.StopAtStepHook(last_step=10)]
+        with V1.train.MonitoredSession(hooks=hooks) as sess:
+            k = 0
+            while not sess.should_stop():
+                sess.run(train, {x: XS[0]})
+                k += 1
+        want_steps = k
+    with tf.Graph().as_default():
+        x, loss, train, gs = program()
+        fused = ms.compile({"loss": loss, "train": train, "step": gs}, steps=4)
+        assert fused.step_increment == 2
+        with V1.train.MonitoredSession(hooks=[ms.hooks.StopAtStepHook(fused, last_step=10)]) as sess:
+            runs = []
+            while not sess.should_stop():
+                runs.append(fused.run(sess, {x: XS[0]})["step"])  # one batch, every step
+    assert [r.tolist() for r in runs] == [[2, 4, 6, 8], [10]] and want_steps == 5, runs
+
+
+def test_case09_no_loss_fetched_means_no_losses():
+    """[train, accuracy]: the accuracy is no loss (no gradient flows from it), so
+    fused.losses is None and a hook that needs losses says so at construction (case 13).
+    On main fused.losses was the accuracy, written under the tag 'loss'."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(x, 1), 0), tf.float32))
+        fused = ms.compile([train, accuracy], steps=3)
+        assert fused.losses is None
+        assert ms.compile([train, accuracy, loss], steps=3).losses is not None
+
+
+def test_case11_a_local_variables_reset_keeps_the_run_length():
+    """set_steps_per_run(2), then the per-epoch metric reset: runs stay 2 steps. On main
+    the reset put them back to N."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        fused = ms.compile([loss, train], steps=3)
+        with V1.Session() as sess:
+            sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+            fused.set_steps_per_run(sess, 2)
+            sess.run(V1.local_variables_initializer())
+            assert len(fused.run(sess, {x: XS[:2]})[0]) == 2
+
+
+def test_case13_hooks_on_a_program_without_a_loss_say_what_to_fetch():
+    """A GAN's {"d_loss", "g_loss", "train"}: refused at construction with the fix. On
+    main: TypeError "Argument 'fetch' = None" at the first run."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        fused = ms.compile({"d_loss": loss, "g_loss": 2 * loss, "train": train}, steps=3)
+        with pytest.raises(ValueError, match=r"fetches no loss.*under the key 'loss'"):
+            ms.hooks.StopAtStepHook(fused, last_step=6)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case14_a_sparse_placeholder_is_fed_as_session_run_feeds_it(mode):
+    """A sparse_placeholder fed a SparseTensorValue: the same sparse batch every step,
+    bitwise with single steps. On main: "You must feed a value for placeholder tensor
+    'multistep/inputs/bow_indices'"."""
+    value = V1.SparseTensorValue([[0, 1], [2, 0], [3, 2]], np.float32([1, 2, 3]), [4, 3])
+
+    def program():
+        bow = V1.sparse_placeholder(tf.float32, [None, 3], name="bow")
+        w = V1.get_variable("w", initializer=np.full([3, 1], 0.2, np.float32))
+        loss = tf.reduce_mean(tf.square(tf.sparse.sparse_dense_matmul(bow, w) - 1.0))
+        return bow, [loss, V1.train.GradientDescentOptimizer(0.1).minimize(loss)]
+
+    with tf.Graph().as_default():
+        bow, fetches = program()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run(fetches, {bow: value})[0] for _ in range(3)]
+    with tf.Graph().as_default():
+        bow, fetches = program()
+        fused = ms.compile(fetches, steps=3, mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            got = fused.run(sess, {bow: value})[0]
+    assert got.tobytes() == np.array(want, np.float32).tobytes()
+
+
+def test_case15_ref_variables_under_xla_or_a_v2_loop_are_refused_by_name():
+    """Ref variables: refused at build, naming the variable and the fix. On main: a raw
+    "float ... incompatible with expected float_ref"."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program(ref=True)
+        with pytest.raises(ValueError, match=r"ref variable\(s\) 'w'.*XLA.*use_resource=True"):
+            ms.compile([loss, train], steps=3, xla=True)
+        with pytest.raises(ValueError, match=r"ref variable\(s\) 'w'.*v2 control flow.*"
+                                             r"mode='unrolled'"):
+            ms.compile([loss, train], steps=3)
+
+
+def test_case16_more_loop_steps_than_int32_counts_are_refused_by_name():
+    """On main: a raw tf.cond TypeError."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        with pytest.raises(ValueError, match=r"steps=2147483648 is more than a loop can count"):
+            ms.compile([loss, train], steps=2 ** 31)
+
+
+def test_case17_an_unrolled_graph_over_2_gib_is_refused_before_it_is_built():
+    """A 64 MiB constant in the step, N = 34: refused at once, naming loop mode. On main:
+    "Invalid GraphDef" after 40 s."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        big = tf.constant(np.zeros([16 * 2 ** 20], np.float32))  # 64 MiB
+        loss2 = loss + tf.reduce_sum(big) * 0.0
+        with pytest.raises(ms.GraphTooLargeError, match=r"2 GiB limit. Use mode='while_loop'"):
+            ms.compile([loss2, train], steps=34, mode="unrolled")
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case19_a_fetched_indexed_slices_has_its_components_per_step(mode):
+    """An embedding's gradient (IndexedSlices) fetched, as sess.run accepts it: each
+    component one value a step, bitwise with single steps. On main: refused as "not an
+    op or a tensor"."""
+    ids = np.array([[0, 2], [1, 1], [3, 0]], np.int32)
+
+    def program():
+        i = V1.placeholder(tf.int32, [2], "ids")
+        table = V1.get_variable("table", initializer=np.full([4, 2], 0.5, np.float32))
+        loss = tf.reduce_sum(tf.square(tf.gather(table, i)))
+        grad = tf.gradients(loss, table)[0]
+        return i, [loss, grad, V1.train.GradientDescentOptimizer(0.1).minimize(loss)]
+
+    with tf.Graph().as_default():
+        i, fetches = program()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run(fetches, {i: ids[k]})[1] for k in range(3)]
+    with tf.Graph().as_default():
+        i, fetches = program()
+        assert isinstance(fetches[1], tf.IndexedSlices)
+        fused = ms.compile(fetches, steps=3, mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            got = fused.run(sess, {i: ids})[1]
+    assert got.values.tobytes() == np.stack([w.values for w in want]).tobytes()
+    assert got.indices.tolist() == [w.indices.tolist() for w in want]
+
+
+def test_case20_compiling_in_a_finalized_graph_says_to_compile_first():
+    """Inside MonitoredTrainingSession the graph is finalized. On main: TensorFlow's
+    "Graph is finalized and cannot be modified"."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        with V1.train.MonitoredSession():
+            with pytest.raises(RuntimeError, match=r"finalized.*Call ms.compile before "
+                                                   r"creating the session"):
+                ms.compile([loss, train], steps=3)
+
+
+def test_case21_the_programs_own_feed_with_the_compiled_train_op_says_how_to_feed():
+    """sess.run(fused.train_op, {x: batch}), as a loop that swaps only the fetch: the
+    error names fused.run and fused.feed_dict, and nothing is applied. On main: "You
+    must feed a value for placeholder tensor 'multistep/inputs/x'"."""
+    with tf.Graph().as_default():
+        x, loss, train, _ = _dense_program()
+        fused = ms.compile([loss, train], steps=3)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            before = _globals(sess)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"x:0.*fused.run\(sess, feed_dict\)"):
+                sess.run(fused.train_op, {x: XS[0]})
+            _same(_globals(sess), before)
+            sess.run(fused.train_op, fused.feed_dict({x: XS[:3]}))  # the fix runs
+
+
+def test_case15_and_04_under_disable_v2_behavior():
+    """Under disable_v2_behavior() (ref variables, v1 control flow), in a subprocess:
+    ref fetches in loop mode are each step's own value ([1, 2, 3], was [3, 3, 3]), and
+    xla=True refuses the ref variables by name."""
+    script = textwrap.dedent("""
+        import numpy as np, tensorflow as tf, multistep as ms
+        V1 = tf.compat.v1
+        V1.disable_v2_behavior()
+        def program():
+            x = V1.placeholder(tf.float32, [None, 3], "x")
+            w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32))
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+            gs = V1.train.get_or_create_global_step()
+            train = V1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=gs)
+            counter = V1.get_variable("counter", initializer=0)
+            with tf.control_dependencies([train]):
+                bump = counter.assign_add(1)
+            return x, [loss, bump, gs]
+        xs = np.random.RandomState(0).randn(6, 4, 3).astype(np.float32)
+        with tf.Graph().as_default():
+            x, fetches = program()
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                want = [sess.run(fetches, {x: xs[k]}) for k in range(6)]
+        with tf.Graph().as_default():
+            x, fetches = program()
+            fused = ms.compile(fetches, steps=3)
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                got = [fused.run(sess, {x: xs[3 * r:3 * r + 3]}) for r in range(2)]
+            try:
+                ms.compile(fetches, steps=3, xla=True, name="xla")
+                print("XLA: built")
+            except ValueError as error:
+                print("XLA:", error)
+        for j in range(3):
+            a = np.concatenate([np.asarray(r[j]).reshape(-1) for r in got])
+            b = np.array([np.asarray(v[j]).item() for v in want], a.dtype)
+            print("FETCH", j, a.tobytes() == b.tobytes(), a.tolist())
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert [l.split()[2] for l in lines if l.startswith("FETCH")] == ["True"] * 3, lines
+    assert "FETCH 1 True [1, 2, 3, 4, 5, 6]" in lines, lines
+    xla = next(l for l in lines if l.startswith("XLA:"))
+    assert "ref variable(s) 'counter', 'global_step', 'w'" in xla and "use_resource=True" in xla
