@@ -139,9 +139,9 @@ class Compiled:
         train op depends on), or None.
       inputs: original placeholder -> the ``[steps, ...]`` placeholder that feeds it
         slice k at step k.
-      carry, carry_in: with ``carry=``, the carried tensors' values after the run's last
-        step, and the tensors each run starts from (fed as the program's own loop feeds
-        them).
+      carry, carry_in: with ``carry=``, lists: the carried tensors' values after the
+        run's last step, and the tensors each run starts from (fed as the program's own
+        loop feeds them).
       step_increment: what a step adds to the global step (the constants of its
         ``assign_add``s), or None where the build cannot tell (``StopAtStepHook``
         measures it at the first run).
@@ -167,7 +167,9 @@ class Compiled:
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
     _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
     _carried_names: frozenset = dataclasses.field(default=frozenset(), repr=False)
-    _fetched: tuple = dataclasses.field(default=(), repr=False)  # the tensors fetched
+    _roots: tuple = dataclasses.field(default=(), repr=False)  # the original fetches, flat
+    _finals: dict = dataclasses.field(default_factory=dict, repr=False)  # carry=, as given
+    _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
@@ -285,14 +287,15 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         global_step=_global_step(graph, built.copied),
         step_increment=_step_increment(graph, built.copied),
         steps_per_run=built.run_length.variable if built.run_length is not None else None,
-        carry=dict(zip(links, built.carried)) if links else None,
+        carry=list(built.carried) if links else None,
         carry_in=list(links) if links else None,
+        _finals={initial: final for initial, (_, final) in links.items()},
         _run_length=built.run_length,
         _by_name={original.name: (original, per_step)
                   for original, per_step in built.inputs.items()},
         _copied=frozenset(op.name for op in built.copied),
         _carried_names=frozenset(t.name for t in links),
-        _fetched=tuple(root for root in roots if isinstance(root, tf.Tensor)))
+        _roots=tuple(roots), _loss_index=loss)
 
 
 def _links(graph, carry):

@@ -130,8 +130,8 @@ def _shared(program, key, value):
     fix = ("Feed the step's placeholders (Compiled.inputs), or make it a placeholder (or a "
            "placeholder_with_default of a constant).")
     shape = np.shape(value)
-    finals = [t for t in program._fetched  # noqa: SLF001 (a fetched tensor fed back?)
-              if t.name != name and t.name.split(":")[0] in program._copied  # noqa: SLF001
+    finals = [t for t in program._roots  # noqa: SLF001 (a fetched tensor fed back?)
+              if isinstance(t, tf.Tensor) and t.name != name and t.name.split(":")[0] in program._copied  # noqa: SLF001
               and t.shape.is_compatible_with(shape)]
     if finals:
         fix = (f"If your loop feeds back a value the step computes (an RNN's final state, "
@@ -210,4 +210,20 @@ def _stacked(program, feeds):
                 f"fused.run(sess, feeds=[last_feed])).") from None
     if not program.mode.startswith("unrolled"):
         out[program._run_length.read] = len(feeds)  # noqa: SLF001 (this run's steps)
+    return out
+
+
+def step_feed(program, feed_dict, j):
+    """Step ``j``'s single-step feed dict, from the feed dict of a compiled run (what
+    ``translate`` takes): a per-step input's slice j, or its one value for every step;
+    anything else as it is. ``ms.verify`` feeds the program as written with it."""
+    out = {}
+    for key, value in (feed_dict or {}).items():
+        fed = program._by_name.get(_name(key))  # noqa: SLF001
+        if fed is not None:
+            rank = fed[0].shape.rank
+            value = np.asarray(value)
+            if (value.ndim == rank + 1) if rank is not None else value.ndim > 0:
+                value = value[j]
+        out[key] = value
     return out

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from multistep import kernels as kernels_lib
+from multistep import feeds as feed_lib
 from multistep import lint
 
 from multistep.unroll import forced_xla
@@ -79,6 +80,11 @@ class Report:
         not a verdict. Else None.
       random_ops: the stateful random ops of the fused build's steps (``'name' (Type)``),
         which draw otherwise fused than single; a divergence names them as its suspect.
+      as_written: the reference was the program as written (``build_fn`` returned an
+        ``ms.compile`` program): its original fetches, run ``steps * runs`` times by
+        plain ``sess.run`` in a session of their own. What no comparison sees is said in
+        the summary: Python your loop runs between calls, and ops it runs outside the
+        fetches (a hook's, an evaluation's).
       data_order: why the two builds may read their data in different orders (their
         ``tf.data`` pipeline draws at random without a seed, or with seeds that differ
         between them), or None. A divergence is then no verdict on the training code;
@@ -101,6 +107,7 @@ class Report:
     plain_max_abs_diff: object = None
     data_order: object = None
     random_ops: tuple = ()
+    as_written: bool = False
 
     @property
     def ok(self):
@@ -115,6 +122,7 @@ class Report:
         verdict = "OK" if self.ok else "DIVERGED"
         exact = " (bitwise equal)" if self.bitwise else ""
         what = ("XLA runs vs the single-step XLA program" if self.xla
+                else "compiled runs vs the program as written" if self.as_written
                 else "runs vs single steps")
         line = (f"verify: {self.steps}-step {what}, {self.runs} runs, "
                 f"{len(self.per_variable) - 1} variables and the losses compared after "
@@ -139,6 +147,11 @@ class Report:
                      f"TensorFlow's kernels")
         if self.explain or not self.ok or self.same_kernels is False:
             line += "\n" + self._kernel_line()
+        if self.as_written:
+            line += ("\nnot seen: what your loop does between sess.run calls (Python every K "
+                     "steps, a learning-rate change) and ops it runs outside the fetches (a "
+                     "hook's fetch of the original loss, an evaluation run): each runs once a "
+                     "call of the compiled program, not once a step")
         return line
 
     def _kernel_line(self):
@@ -213,7 +226,10 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
     compiled = forced_xla(True) if xla else contextlib.nullcontext()
     with compiled:
         fused = _Program(build_fn, steps, config)
-        single = _Program(build_fn, 1, config)
+        # ms.compile's program is checked against the program as written: its original
+        # fetches, run by plain sess.run one step at a time, in a graph of their own.
+        single = _Program(build_fn, steps if fused.compiled else 1, config,
+                          as_written=fused.compiled)
     plain = None
     if xla:
         with forced_xla(False):
@@ -232,7 +248,8 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         for run in range(runs):
             try:
                 got = fused.run(run)
-                want = np.concatenate([single.run(run * steps + j) for j in range(steps)])
+                want = (single.run_as_written(run) if single.as_written else
+                        np.concatenate([single.run(run * steps + j) for j in range(steps)]))
             except tf.errors.OutOfRangeError as error:
                 raise ValueError(
                     f"verify: the input ran out in run {run + 1} of {runs}: each build makes "
@@ -266,7 +283,7 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
                       final_values=fused_values, kernels=difference,
                       same_kernels=same_kernels, explain=bool(explain), xla=bool(xla),
                       plain_max_abs_diff=plain_diff, data_order=_data_order(fused, single),
-                      random_ops=_random_ops(fused))
+                      random_ops=_random_ops(fused), as_written=single.as_written)
     finally:
         for program in (fused, single, plain):
             if program is not None:
@@ -279,8 +296,11 @@ def _compare_kernels(fused, single):
     # ms.unroll's steps are "<name>/step_k/<scope>/...", ms.compile's "<name>/step_k/<op>".
     read = kernels_lib.of_copies if fused.compiled else kernels_lib.of_steps
     steps = read(fused.nodes, fused.label)
-    singles = read(single.nodes, single.label)
-    one = singles.get(1, singles.get(kernels_lib.LOOP))  # (a compiled loop's one step)
+    if single.as_written:  # the original step's own kernels, by their names
+        one = kernels_lib.by_name(single.nodes)
+    else:
+        singles = read(single.nodes, single.label)
+        one = singles.get(1, singles.get(kernels_lib.LOOP))  # (a compiled loop's one step)
     if not steps or one is None:
         return None, None
     difference = kernels_lib.compare(steps, one)
@@ -290,8 +310,9 @@ def _compare_kernels(fused, single):
 class _Program:
     """One build of the model in its own graph and session."""
 
-    def __init__(self, build_fn, steps, config=None):
+    def __init__(self, build_fn, steps, config=None, as_written=False):
         self.steps = steps
+        self.as_written = as_written  # run the compiled program's original fetches
         self.nodes = None  # the executed kernels of the first run (partition graphs)
         self.graph = tf.Graph()
         with self.graph.as_default():
@@ -316,6 +337,10 @@ class _Program:
             if n is not None and n != steps:
                 raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
             self.fetch = (unrolled.train_op, unrolled.losses)
+            if as_written:  # the original fetches, one step a sess.run
+                self.compiled_program = unrolled
+                self.fetch = (list(unrolled._roots), unrolled._roots[unrolled._loss_index],  # noqa: SLF001
+                              list(unrolled._finals.values()))  # noqa: SLF001
             # carry= (an RNN's state): each run starts from what the run before carried
             # out, as the program's own loop feeds it; the first from the build's feed.
             self._carry_in = tf.nest.flatten(getattr(unrolled, "carry_in", None) or [])
@@ -337,11 +362,20 @@ class _Program:
             # (MirroredStrategy) variable itself would make a read op at run time.
             self._reads = {name: tf.identity(v) for name, v in self.variables.items()}
             self._init = [tf.compat.v1.global_variables_initializer(), _local_init_op()]
+            queues = self.graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)
             self.graph.finalize()
+        if queues:  # a queue-fed input: a dequeue that waits forever would hang verify
+            config = tf.compat.v1.ConfigProto() if config is None else _copy(config)
+            config.operation_timeout_in_ms = config.operation_timeout_in_ms or _QUEUE_TIMEOUT_MS
         self.session = tf.compat.v1.Session(graph=self.graph, config=config)
         feed = self._init_feed()
         for op in self._init:  # variables first: local init ops may read them
             self.session.run(op, feed)
+        self._coordinator, self._threads = None, []
+        if queues:
+            self._coordinator = tf.compat.v1.train.Coordinator()
+            self._threads = tf.compat.v1.train.start_queue_runners(
+                self.session, coord=self._coordinator)
 
     def _init_feed(self):
         """The feed the initialisers run with: none where they need no placeholder, else
@@ -373,6 +407,27 @@ class _Program:
             self._carried = values[2]
         return np.asarray(values[1], np.float32).reshape(-1)
 
+    def run_as_written(self, index):
+        """Fused run ``index``'s steps, each a plain ``sess.run`` of the original fetches
+        with its own slice of the run's feed; a carried state fed back step by step, as
+        the program's own loop feeds it. Returns the steps' losses."""
+        program = self.compiled_program
+        feed = self.feed(index) if callable(self.feed) else self.feed
+        initials = list(program._finals)  # noqa: SLF001
+        losses = []
+        for j in range(self.steps):
+            step = feed_lib.step_feed(program, feed, j)
+            if self._carried is not None:  # the state the step before ended with
+                step.update(zip(initials, self._carried))
+            if self.nodes is None:
+                values, self.nodes = kernels_lib.executed(self.session, self.fetch, step)
+            else:
+                values = self.session.run(self.fetch, step)
+            if initials:
+                self._carried = values[2]
+            losses.append(values[1])
+        return np.asarray(losses, np.float32).reshape(-1)
+
     def values(self):
         return self.session.run(self._reads)
 
@@ -403,7 +458,19 @@ class _Program:
         self._reads[new] = self._reads.pop(old)
 
     def close(self):
+        if self._coordinator is not None:
+            self._coordinator.request_stop()
+            self._coordinator.join(self._threads, stop_grace_period_secs=10)
         self.session.close()
+
+
+_QUEUE_TIMEOUT_MS = 300_000  # a queue-fed program's ops fail after 5 minutes' wait
+
+
+def _copy(config):
+    copied = tf.compat.v1.ConfigProto()
+    copied.CopyFrom(config)
+    return copied
 
 
 def _local_init_op():
