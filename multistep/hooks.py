@@ -552,13 +552,9 @@ class InputExhaustedHook(V1.train.SessionRunHook):
         return args
 
     def after_run(self, run_context, run_values):
-        before = self._step
         run = self._runs.after(run_values.results, run_context.session)
         if run is not None:
             self._step = run.steps[-1]
-            advanced, n = self._step - before, len(run.losses)
-            if self._increment is None and advanced > 0 and advanced % n == 0:
-                self._increment = advanced // n
         self._pending = None
 
     def end(self, session):
