@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from multistep import auto, lint
+from multistep import auto, lint, tripwires
 from multistep import feeds as feeds_lib
 from multistep.feeds import per_step_input, per_step_placeholders, prepared
 from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
@@ -193,6 +193,8 @@ class Compiled:
         on a plain ``Session``, through a callable made once per session
         (``Session.make_callable``), as ``ms.Unrolled.run``; else ``session.run`` (a
         ``MonitoredSession``'s hooks must see each run)."""
+        if not isinstance(session, _PLAIN_SESSIONS):
+            _refuse_one_step_hooks(self, session)
         if feed_dict or feeds is not None or not isinstance(session, _PLAIN_SESSIONS):
             return session.run(self.values, self.feed_dict(feed_dict, feeds=feeds))
         return callable_for(self._callables, session, self.values)[0]()
@@ -201,6 +203,20 @@ class Compiled:
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
         mode only (as ``ms.Unrolled.set_steps_per_run``)."""
         set_steps_per_run(self, session, n)
+
+
+def _refuse_one_step_hooks(program, session):
+    """Refuse, before a step runs, TensorFlow's hooks that count one step a ``sess.run``
+    in a ``MonitoredSession`` running ``program``: its ``StopAtStepHook`` adds 1 to a read
+    of the global step that the run's steps race, and stops up to a run late."""
+    hooks = getattr(session, "_hooks", None) or []  # (MonitoredSession keeps its hooks there)
+    if any(type(hook) is tf.compat.v1.train.StopAtStepHook for hook in hooks):
+        raise ValueError(
+            f"{program.name}: the session runs TensorFlow's StopAtStepHook, which counts "
+            f"one step a sess.run (the global step read during the run, plus 1); a run of "
+            f"{program.name} makes up to {program.steps} steps, so it would stop up to a run "
+            f"late. Use ms.hooks.StopAtStepHook({program.name.split('/')[-1] or 'fused'}, "
+            f"last_step=...) in its place: it shortens the last run to stop exactly.")
 
 
 def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=False,  # noqa: A001
@@ -276,6 +292,7 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links)
     if built.program is not None:
         lint.warn_random_under_xla(built.program, name=built.label)
+    tripwires.guard(built.copied, built.label)
     structured = tf.nest.pack_sequence_as(fetches, built.values, expand_composites=True)
     loss = _loss(fetches, roots)
     return Compiled(
@@ -356,8 +373,11 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"run length are int32, so a run makes at most {MOST_LOOP_STEPS} steps. Ask for "
             f"fewer (a run of a million steps already makes the call's cost nothing).")
     internal = {t.op for t in list(given) + list(links)}
-    ops = _ancestors_in_order([r if isinstance(r, tf.Operation) else r.op for r in roots]
-                              + [following.op for _, following in links.values()])
+    graph = tf.compat.v1.get_default_graph()
+    wires = set(graph.get_collection(tripwires.TRIPWIRES))  # (an earlier compile's: not copied)
+    ops = [op for op in _ancestors_in_order(
+        [r if isinstance(r, tf.Operation) else r.op for r in roots]
+        + [following.op for _, following in links.values()]) if op not in wires]
     where = {op: "input" if op in internal else placement(op) for op in ops}
     placeholders = [op for op in ops if where[op] == "input"]
     fed = per_step_placeholders([p for p in placeholders if p not in internal], feeds)
@@ -408,10 +428,9 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"collective ops up to {MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
             f"mode='while_loop' (one kernel per op, run once a step) or fewer steps.")
     if mode == "unrolled" and steps > 1:
-        check_graph_size(tf.compat.v1.get_default_graph(), set(copied).__contains__, steps,
-                         label)
+        check_graph_size(graph, set(copied).__contains__, steps, label)
     template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
-                           strip, label)._replace(at_end=state_fetches(roots, copied))
+                           strip, label, skip={w.name for w in wires})._replace(at_end=state_fetches(roots, copied))
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
         for node in template.graph_def.node:
             if node.op in _FUNCTIONAL_CONTROL_FLOW:

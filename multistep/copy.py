@@ -25,19 +25,22 @@ _KEY_STRIDE = 2 ** 20
 MOST_KEYED_COPIES = 2 ** 31 // _KEY_STRIDE - 1
 
 
-def template_of(copied, inputs, strip=None, label=""):
+def template_of(copied, inputs, strip=None, label="", skip=frozenset()):
     """The copied ops as a GraphDef, each copy of the step made from it (``inputs``: the
     per-step placeholder ops): their colocation constraints (``_class``) taken out (set
     again after the import, pointing at the shared op itself or at the op's copy), what
     they read from outside (``shared``: a reference as the GraphDef writes it -> the
     shared tensor; ``inputs``: the names of the per-step placeholders), the ops that
     ``_needs_order`` orders after the previous step, and ``rename(name, prefix)``: an
-    op's name in the copy named ``prefix`` (see ``build``'s ``strip``)."""
+    op's name in the copy named ``prefix`` (see ``build``'s ``strip``). Control inputs
+    from the ops named in ``skip`` (an earlier compile's tripwires) are left out."""
     graph_def = tf.compat.v1.GraphDef()
     colocation = {}
     for op in copied:
         node = graph_def.node.add()
         node.CopyFrom(op.node_def)
+        if skip:
+            node.input[:] = [i for i in node.input if i.lstrip("^") not in skip]
         if "_class" in node.attr:
             colocation[op.name] = [s.decode() for s in node.attr["_class"].list.s]
             del node.attr["_class"]

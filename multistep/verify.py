@@ -11,13 +11,14 @@ import contextlib
 import dataclasses
 import numbers
 import re
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from multistep import kernels as kernels_lib
 from multistep import feeds as feed_lib
-from multistep import lint
+from multistep import lint, tripwires
 
 from multistep.unroll import forced_xla
 from multistep.unroll import positive_int as _positive_int
@@ -185,6 +186,11 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         ``Dataset.from_tensor_slices(placeholder)``) run with ``feed`` (``feed(0)``).
         Seed any ``tf.data`` shuffle or random op: unseeded, the two builds read their
         data in different orders (the report says so).
+        Where ``unrolled`` is an ``ms.compile`` program, the reference is the program as
+        written: ``build_fn(steps)`` again, in a graph and session of their own, its
+        original fetches run by plain ``sess.run`` one step at a time (step j of run r
+        fed slice j of ``feed(r)``, a ``carry=`` state fed back step by step), never a
+        1-step compile of itself.
       steps: inner steps per fused run (>= 1).
       runs: fused runs to compare (>= 1).
       atol: allowed max |Δ|; 0.0 asks for exact equality.
@@ -223,6 +229,12 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
     for option, value in (("xla", xla), ("explain", explain)):
         if not isinstance(value, bool):
             raise TypeError(f"verify: {option} must be True or False, got {value!r}.")
+    with warnings.catch_warnings():  # the reference runs a compiled step's original ops
+        warnings.simplefilter("ignore", tripwires.OriginalOpRanWarning)
+        return _verify(build_fn, steps, runs, atol, config, progress, explain, xla)
+
+
+def _verify(build_fn, steps, runs, atol, config, progress, explain, xla):
     compiled = forced_xla(True) if xla else contextlib.nullcontext()
     with compiled:
         fused = _Program(build_fn, steps, config)
@@ -343,7 +355,8 @@ class _Program:
                               list(unrolled._finals.values()))  # noqa: SLF001
             # carry= (an RNN's state): each run starts from what the run before carried
             # out, as the program's own loop feeds it; the first from the build's feed.
-            self._carry_in = tf.nest.flatten(getattr(unrolled, "carry_in", None) or [])
+            self._carry_in = [] if as_written else tf.nest.flatten(
+                getattr(unrolled, "carry_in", None) or [])
             self._carried = None
             if self._carry_in:
                 self.fetch += (tf.nest.flatten(unrolled.carry),)
@@ -374,8 +387,9 @@ class _Program:
         self._coordinator, self._threads = None, []
         if queues:
             self._coordinator = tf.compat.v1.train.Coordinator()
-            self._threads = tf.compat.v1.train.start_queue_runners(
-                self.session, coord=self._coordinator)
+            with self.graph.as_default():  # (refused where eager execution is on)
+                self._threads = tf.compat.v1.train.start_queue_runners(
+                    self.session, coord=self._coordinator)
 
     def _init_feed(self):
         """The feed the initialisers run with: none where they need no placeholder, else

@@ -1,0 +1,81 @@
+"""The original step's ops beside its compiled program: reported the first time one runs.
+
+After ``ms.compile``, the original train op and forward pass are still in the graph, and a
+loop may still run them: a TensorFlow hook that fetches the original loss, an evaluation
+``sess.run`` through the original forward pass. Where such a run changes what the compiled
+steps see (it takes a batch from the shared iterator, draws from a random op whose stream
+the compiled copy does not follow, applies an update of its own), the program no longer
+does what it did as written. ``guard`` puts a tripwire before each such original op: a
+``py_func`` that warns (``OriginalOpRanWarning``), once per compiled program, naming the op
+and what its run did. The compiled copies never run it, and ``ms.compile`` leaves it out of
+the steps it copies.
+"""
+
+import threading
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from multistep import lint
+
+__all__ = ["OriginalOpRanWarning", "TRIPWIRES", "guard", "is_tripwire_name"]
+
+TRIPWIRES = "multistep_tripwires"  # the graph collection of the tripwire ops
+_SCOPE = "_original_ran"
+
+
+class OriginalOpRanWarning(RuntimeWarning):
+    """An op of a compiled step's original ran beside the compiled program."""
+
+
+def _effect(op):
+    """What running the original ``op`` does to the compiled steps, or None if nothing."""
+    if lint.is_stateful_random(op):
+        return ("drew from its random stream, which the compiled steps' own copy of the op "
+                "does not follow: the compiled steps now draw other numbers than the program "
+                "as written")
+    if op.type.startswith(("IteratorGetNext", "QueueDequeue", "ReaderRead")):
+        return ("took a batch of its own from the shared input, which no compiled step "
+                "trains on")
+    if lint.is_write(op):
+        return ("applied an update of its own (an extra step: weights, optimizer slots or "
+                "the global step), beside the compiled steps")
+    return None
+
+
+def guard(copied, label):
+    """Puts a tripwire before each op of ``copied`` (the original step's ops that the
+    compiled program copies) whose run changes what the compiled steps see."""
+    fired = threading.Event()  # one warning per compiled program
+    graph = copied[0].graph if copied else None
+    for op in copied:
+        effect = _effect(op)
+        if effect is None or op._get_control_flow_context() is not None:  # noqa: SLF001
+            continue  # (a v1 cond or loop: a tripwire outside it would fire for a branch
+            #           not taken, and cannot enter a loop's frame)
+
+        def fire(op_name=op.name, op_type=op.type, effect=effect):
+            if not fired.is_set():
+                fired.set()
+                warnings.warn(
+                    f"{label}: the original op {op_name!r} ({op_type}) of the step that "
+                    f"{label} compiled ran beside the compiled program, and {effect}. A "
+                    f"TensorFlow hook that fetches the original loss (NanTensorHook, "
+                    f"LoggingTensorHook, a summary) or an evaluation sess.run through the "
+                    f"original forward pass does this: give TensorFlow's hooks the compiled "
+                    f"per-step values (fused.values, fused.losses) or use ms.hooks, and "
+                    f"evaluate with ops of their own (a copy of the forward pass without "
+                    f"the training switch's random ops).", OriginalOpRanWarning, stacklevel=2)
+            return np.bool_(True)
+
+        with graph.as_default(), tf.name_scope(f"{label}/{_SCOPE}/"), \
+                tf.control_dependencies(None):
+            wire = tf.compat.v1.py_func(fire, [], tf.bool, stateful=True, name="wire").op
+        graph.add_to_collection(TRIPWIRES, wire)
+        op._add_control_input(wire)  # noqa: SLF001 (the original op waits for its tripwire)
+
+
+def is_tripwire_name(name):
+    """Whether a node named ``name`` (a partition graph's) is a tripwire."""
+    return f"/{_SCOPE}/" in name

@@ -1,0 +1,295 @@
+"""Issue 37: programs in the shapes public TF1 training programs take, with their loops,
+ported to ``ms.compile`` in at most 4 changed lines: bitwise with the program as written
+(its own loop of single ``sess.run`` calls, run here in a graph of its own), or warned
+or refused before a step is applied. Each port's changed lines are marked ``# port``."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+from multistep.tripwires import OriginalOpRanWarning
+
+V1 = tf.compat.v1
+N = 3
+_rng = np.random.RandomState(37)
+DATA_X = _rng.randn(40, 5).astype(np.float32)
+DATA_Y = _rng.randint(0, 3, size=40).astype(np.int32)
+
+
+def _globals(sess):
+    return {v.op.name: sess.run(v) for v in V1.global_variables()
+            if not v.op.name.startswith("multistep/")}
+
+
+def _same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
+
+
+def _mnist_style():
+    """The MNIST-tutorial shape: placeholders of no shape for keep_prob and a bool
+    training switch, a next_batch feed, Adam, a global step."""
+    x = V1.placeholder(tf.float32, [None, 5], "x")
+    y = V1.placeholder(tf.int32, [None], "y")
+    keep_prob = V1.placeholder(tf.float32, name="keep_prob")  # no shape, fed a scalar
+    training = V1.placeholder(tf.bool, name="training")  # no shape, fed a bool
+    init = np.random.RandomState(1)  # the same initial values in every build
+    w1 = V1.get_variable("w1", initializer=init.randn(5, 8).astype(np.float32) * 0.5)
+    w2 = V1.get_variable("w2", initializer=init.randn(8, 3).astype(np.float32) * 0.5)
+    h = tf.nn.relu(tf.matmul(x, w1))
+    scale = tf.where(training, keep_prob, 1.0)  # a stateless stand-in for dropout's switch
+    logits = tf.matmul(h * scale, w2)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    gs = V1.train.get_or_create_global_step()
+    train = V1.train.AdamOptimizer(0.05).minimize(loss, global_step=gs)
+    return x, y, keep_prob, training, loss, train
+
+
+def _next_batch(state, size=4):
+    """The tutorials' next_batch: consecutive slices, wrapping around."""
+    start = state[0]
+    state[0] = (start + size) % 40
+    idx = np.arange(start, start + size) % 40
+    return DATA_X[idx], DATA_Y[idx]
+
+
+def test_a_feed_per_call_loop_ports_in_four_lines_and_is_bitwise():
+    """keep_prob and a bool switch of no shape fed scalars, next_batch batches: the loop
+    keeps feeding one batch a call; fused.run takes the run's N feed dicts. On main the
+    scalar keep_prob crashed with "slice index 0 of dimension 0 out of bounds"."""
+    def as_written():
+        with tf.Graph().as_default():
+            x, y, keep_prob, training, loss, train = _mnist_style()
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                state, losses = [0], []
+                for step in range(12):
+                    xb, yb = _next_batch(state)
+                    value, _ = sess.run([loss, train], {x: xb, y: yb, keep_prob: 0.7, training: True})
+                    losses.append(value)
+                return np.array(losses, np.float32), _globals(sess)
+
+    def ported():
+        with tf.Graph().as_default():
+            x, y, keep_prob, training, loss, train = _mnist_style()
+            fused = ms.compile([loss, train], steps=N)  # port
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                state, losses, feeds = [0], [], []
+                for step in range(12):
+                    xb, yb = _next_batch(state)
+                    feeds.append({x: xb, y: yb, keep_prob: 0.7, training: True})  # port
+                    if len(feeds) == N:  # port
+                        losses.extend(fused.run(sess, feeds=feeds)[0]); feeds = []  # port
+                return np.array(losses, np.float32), _globals(sess)
+
+    want_losses, want = as_written()
+    got_losses, got = ported()
+    assert got_losses.tobytes() == want_losses.tobytes()
+    _same(got, want)
+
+
+def test_a_replay_buffer_loop_with_a_final_short_run():
+    """A DQN-style loop drawing batches with np.random.choice, 10 steps at N = 3: the
+    last run takes one feed dict (loop mode runs len(feeds) steps). Bitwise."""
+    def loop(compiled):
+        with tf.Graph().as_default():
+            x, y, keep_prob, training, loss, train = _mnist_style()
+            fused = ms.compile([loss, train], steps=N) if compiled else None
+            with V1.Session() as sess:
+                sess.run(V1.global_variables_initializer())
+                draw, losses, feeds = np.random.RandomState(5), [], []
+                for step in range(10):
+                    idx = draw.choice(40, 4)
+                    feed = {x: DATA_X[idx], y: DATA_Y[idx], keep_prob: 1.0, training: False}
+                    if not compiled:
+                        losses.append(sess.run([loss, train], feed)[0])
+                        continue
+                    feeds.append(feed)
+                    if len(feeds) == N or step == 9:
+                        losses.extend(fused.run(sess, feeds=feeds)[0]); feeds = []
+                return np.array(losses, np.float32), _globals(sess)
+
+    want_losses, want = loop(False)
+    got_losses, got = loop(True)
+    assert got_losses.tobytes() == want_losses.tobytes()
+    _same(got, want)
+
+
+def _ptb_style(batch=2, hidden=4):
+    """The PTB language model's shape: the initial state is cell.zero_state's tensors,
+    which the loop feeds with the previous run's final state."""
+    x = V1.placeholder(tf.float32, [batch, 3, 2], "x")
+    y = V1.placeholder(tf.float32, [batch, 3, hidden], "y")
+    init = np.random.RandomState(2)  # the same initial values in every build
+    w = V1.get_variable("w", initializer=init.randn(2 + hidden, hidden).astype(np.float32) * 0.5)
+    initial = tf.zeros([batch, hidden], name="zero_state")
+    state, outputs = initial, []
+    for t in range(3):
+        state = tf.tanh(tf.matmul(tf.concat([x[:, t], state], 1), w))
+        outputs.append(state)
+    final = tf.identity(state, name="final_state")
+    loss = tf.reduce_mean(tf.square(tf.stack(outputs, 1) - y))
+    train = V1.train.GradientDescentOptimizer(0.3).minimize(loss)
+    return x, y, initial, final, loss, train
+
+
+SEQ_X = _rng.randn(9, 2, 3, 2).astype(np.float32)
+SEQ_Y = _rng.randn(9, 2, 3, 4).astype(np.float32) * 0.5
+
+
+def test_fed_back_state_is_carried_step_to_step_and_run_to_run():
+    """carry={initial: final}: the loop feeds each run the last run's final state, as
+    the PTB model does each call. On main fused.run refused the zero_state feed with
+    advice to make it a placeholder (wrong from step 2 if followed); now the refusal
+    names carry=, and with it the port is bitwise."""
+    with tf.Graph().as_default():
+        x, y, initial, final, loss, train = _ptb_style()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            state, losses = sess.run(initial), []
+            for k in range(9):
+                value, state, _ = sess.run([loss, final, train], {x: SEQ_X[k], y: SEQ_Y[k], initial: state})
+                losses.append(value)
+            want_losses, want = np.array(losses, np.float32), _globals(sess)
+    with tf.Graph().as_default():
+        x, y, initial, final, loss, train = _ptb_style()
+        without = ms.compile([loss, final, train], steps=N, name="without")
+        fused = ms.compile([loss, final, train], steps=N, carry={initial: final})  # port
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            with pytest.raises(ValueError, match=r"zero_state:0.*computed inside the step.*carry="):
+                without.run(sess, {x: SEQ_X[:3], y: SEQ_Y[:3], initial: np.zeros([2, 4])})
+            state, losses = sess.run(initial), []
+            for r in range(3):
+                value, states, _ = fused.run(sess, {x: SEQ_X[3 * r:3 * r + 3], y: SEQ_Y[3 * r:3 * r + 3], initial: state})  # port
+                state = states[-1]  # port
+                losses.extend(value)
+            got_losses, got = np.array(losses, np.float32), _globals(sess)
+    assert got_losses.tobytes() == want_losses.tobytes()
+    _same(got, want)
+
+    def build(steps):
+        x, y, initial, final, loss, train = _ptb_style()
+        fused = ms.compile({"loss": loss, "train": train}, steps=steps, carry={initial: final})
+        return fused, lambda r: {x: SEQ_X[3 * r:3 * r + 3], y: SEQ_Y[3 * r:3 * r + 3]}
+
+    report = ms.verify(build, steps=N, runs=3)
+    assert report.ok and report.bitwise and report.as_written, report.summary()
+
+
+def _data_program(dropout):
+    """A tf.data input (a one-shot iterator) and a dropout, as the CIFAR-10 tutorial's."""
+    dataset = tf.data.Dataset.from_tensor_slices((DATA_X, DATA_Y)).batch(4).repeat()
+    x, y = V1.data.make_one_shot_iterator(dataset).get_next()
+    w = V1.get_variable("w", initializer=np.random.RandomState(3).randn(5, 3).astype(np.float32) * 0.5)
+    h = tf.matmul(x, w)
+    if dropout:
+        h = tf.nn.dropout(h, rate=0.3, seed=3)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
+    gs = V1.train.get_or_create_global_step()
+    return loss, V1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=gs)
+
+
+def test_tensorflows_own_hooks_fetching_the_original_loss_are_reported():
+    """MonitoredTrainingSession with NanTensorHook and LoggingTensorHook on the original
+    loss beside fused.train_op: the original forward pass runs too and takes a batch of
+    its own from the iterator. Warned at the first such run, naming the op. On main
+    nothing said so (and TensorFlow's StopAtStepHook(12) trained 16 steps)."""
+    with tf.Graph().as_default():
+        loss, train = _data_program(dropout=False)
+        fused = ms.compile({"loss": loss, "train": train}, steps=N)
+        hooks = [V1.train.NanTensorHook(loss), V1.train.StopAtStepHook(last_step=6)]
+        with V1.train.MonitoredSession(hooks=hooks) as sess:
+            with pytest.warns(OriginalOpRanWarning, match=r"IteratorGetNext.*took a batch of "
+                                                          r"its own.*ms.hooks"):
+                sess.run(fused.train_op)
+
+
+def test_the_port_with_compiled_values_handed_to_tensorflows_hooks_is_bitwise():
+    """The documented port: TensorFlow's hooks take the compiled per-step values
+    (NanTensorHook on their sum), ms.hooks.StopAtStepHook stands in for TensorFlow's
+    (which counts one step a sess.run, and is refused before a step with the fix):
+    bitwise with the program as written, and no original op runs (no warning)."""
+    def run(compiled):
+        with tf.Graph().as_default():
+            loss, train = _data_program(dropout=False)
+            fused = ms.compile({"loss": loss, "train": train}, steps=N) if compiled else None  # port
+            watched = tf.reduce_sum(fused.losses) if compiled else loss  # port
+            stop = ms.hooks.StopAtStepHook(fused, last_step=12) if compiled else V1.train.StopAtStepHook(last_step=12)  # port
+            hooks = [V1.train.NanTensorHook(watched), stop]
+            losses = []
+            with V1.train.MonitoredSession(hooks=hooks) as sess:
+                while not sess.should_stop():
+                    values = fused.run(sess) if compiled else sess.run({"loss": loss, "train": train})  # port
+                    losses.extend(np.reshape(values["loss"], -1))
+            return np.array(losses, np.float32)
+
+    want = run(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OriginalOpRanWarning)
+        got = run(True)
+    assert len(want) == 12 and got.tobytes() == want.tobytes()
+    with tf.Graph().as_default():
+        loss, train = _data_program(dropout=False)
+        fused = ms.compile({"loss": loss, "train": train}, steps=N)
+        with V1.train.MonitoredSession(hooks=[V1.train.StopAtStepHook(last_step=12)]) as sess:
+            with pytest.raises(ValueError, match=r"TensorFlow's StopAtStepHook.*ms.hooks.StopAtStepHook"):
+                fused.run(sess)
+
+
+def test_an_evaluation_run_through_the_original_dropout_is_reported():
+    """The VAE's end-of-epoch reconstruction runs the original forward pass, dropout
+    included: its draw advances a stream the loop body's copy does not follow. Warned,
+    naming the random op."""
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [None, 5], "x")
+        w = V1.get_variable("w", initializer=np.ones([5, 2], np.float32))
+        h = tf.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
+        loss = tf.reduce_mean(tf.square(h))
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.warns(RuntimeWarning, match="only while it is the one kernel"):
+            fused = ms.compile([loss, train], steps=N)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", OriginalOpRanWarning)
+                fused.run(sess, {x: DATA_X[:4]})  # the compiled steps alone: no warning
+            with pytest.warns(OriginalOpRanWarning, match=r"RandomUniform.*random stream"):
+                sess.run(h, {x: DATA_X[:4]})  # the evaluation
+
+
+def test_a_second_compile_does_not_copy_the_first_ones_tripwires():
+    """A program compiled twice (N steps, and steps=1 for a remainder): the second's
+    steps do not run the first's tripwires, so its runs warn of nothing."""
+    with tf.Graph().as_default():
+        x, y, keep_prob, training, loss, train = _mnist_style()
+        ms.compile([loss, train], steps=N)
+        second = ms.compile([loss, train], steps=1, name="rest")
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", OriginalOpRanWarning)
+                second.run(sess, {x: DATA_X[:4], y: DATA_Y[:4], keep_prob: 1.0, training: False})
+
+
+def test_verify_of_a_queue_fed_program_runs_its_queue_runners():
+    """A range_input_producer / batch queue input: verify starts the queue runners
+    (and stops them) rather than waiting forever. On main it hung."""
+    def build(steps):
+        V1.set_random_seed(0)
+        index = V1.train.range_input_producer(40, shuffle=False).dequeue()
+        xb, yb = V1.train.batch([tf.gather(DATA_X, index), tf.gather(DATA_Y, index)], 4)
+        w = V1.get_variable("w", initializer=np.ones([5, 3], np.float32) * 0.1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=yb, logits=tf.matmul(xb, w)))
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return ms.compile({"loss": loss, "train": train}, steps=steps), {}
+
+    report = ms.verify(build, steps=N, runs=2)
+    assert report.as_written and "not seen: what your loop does" in report.summary()
+    assert report.ok and report.bitwise, report.summary()
