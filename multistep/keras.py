@@ -56,6 +56,11 @@ class StepHistory(keras.callbacks.Callback):
 
     def __init__(self, callbacks=(), log_dir=None):
         super().__init__()
+        if not isinstance(callbacks, (list, tuple)):
+            fix = (" (for none, leave it out: its default is ())" if callbacks is None else
+                   " (one callback: callbacks=[it])")
+            raise TypeError(f"StepHistory: callbacks must be a list of keras.callbacks.Callback "
+                            f"(each called once per inner step), got {callbacks!r}{fix}.")
         self.callbacks = list(callbacks)
         for i, callback in enumerate(self.callbacks):
             if not isinstance(callback, keras.callbacks.Callback):
