@@ -35,19 +35,41 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
     """N calls of ``step_fn`` in one ``tf.function`` call.
 
     Args:
-      step_fn: ``step_fn(batch) -> loss`` or ``-> {"loss": ..., other scalars}``: one
-        training step (forward, tape, ``optimizer.apply_gradients``), as you would
-        decorate with ``tf.function``. Variables (a Keras model built lazily, the
-        optimizer's slots) may be created on the first call.
+      step_fn: ``step_fn(batch) -> loss``, ``-> {name: scalar, ...}`` (logs as they are,
+        with or without a ``"loss"``: a Keras ``train_step``'s ``d_loss``/``g_loss``) or
+        ``-> None``: one training step (forward, tape, ``optimizer.apply_gradients``), as
+        you would decorate with ``tf.function`` (a ``tf.function`` is taken too), or
+        ``step_fn(x, y)`` for batches ``(xs, ys)``. Variables (a Keras model built lazily,
+        the optimizer's slots) may be created on the first call.
       steps: N >= 1, the steps of one call.
-      jit_compile: compile the N steps as one XLA program (compare with single steps
-        compiled too: ``verify(..., jit_compile=True)``).
-      check: on the first call, refuse (``ms.StaleForwardError``) a loop that captures a
-        value computed before it from a variable the loop writes (see ``check``).
+      jit_compile: compile the N steps as one XLA program. Its reference is N single
+        ``tf.function(step_fn, jit_compile=True)`` calls, and what holds against them is
+        less than without XLA (measure it: ``verify(..., jit_compile=True)``):
+
+        - Dense layers, batch normalization, Keras layers' own randomness
+          (``keras.layers.Dropout(rate, seed=...)``: stateless ops seeded from a
+          ``SeedGenerator`` variable) and the Keras optimizers: bitwise with the single
+          XLA calls in this project's tests.
+        - Convolutions on the CPU: not promised bitwise. XLA rounds them otherwise than
+          TensorFlow's kernels, and compiles N steps as one program, which it may fuse
+          otherwise than one step (a VAE: 9.8e-4 after a few steps); and they can be
+          several times slower. A warning at the first call says so.
+        - Stateful random ops (``tf.random.normal``, ``tf.random.uniform``,
+          ``tf.nn.dropout``, seeded or not): different numbers from step 1, since XLA
+          draws them from a generator of its own per compiled program. A warning at the
+          first call names them and ``check`` reports them (kind ``"random"``); draw with
+          stateless ops seeded from a variable the step advances, or fuse without XLA.
+        - A ``tf.data`` iterator is read outside the XLA program (one block of N
+          elements per call), and ``jit_compile=True`` under a strategy is refused.
+      check: True: on the first call, refuse (``ms.StaleForwardError``) a loop that
+        captures a value computed before it from a variable the loop writes (see
+        ``check``); False: don't.
       optimizer: the optimizer whose ``iterations`` the output ``"iteration"`` reads;
-        default: the one object with an ``iterations`` variable that ``step_fn`` refers
-        to (in its closure, by a global name, or as ``self.optimizer`` of a bound
-        method such as a Keras model's ``train_step``); none found, no ``"iteration"``.
+        default: of the objects with an ``iterations`` variable that ``step_fn`` refers
+        to (in its closure, by a global name, or as an attribute of ``self`` of a bound
+        method such as a Keras model's ``train_step``; through a ``tf.function``), the
+        one whose iteration the traced step advances (not a bare ``compile()``'s unused
+        default); none, or several (a GAN's two), no ``"iteration"``.
       strategy: a ``tf.distribute`` strategy (MirroredStrategy): each step runs
         ``strategy.run(step_fn, (batch,))``, the loop staying outside ``strategy.run``;
         replica r takes its share of each step's batch (the leading, batch dimension
@@ -60,12 +82,16 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
 
     Returns:
       A ``Fused``: ``fused(batches)`` runs the steps and returns a dict of ``[n]``
-      tensors, one value per step: ``"loss"``, the step's other scalars, and
+      tensors, one value per step: the step's scalars (``"loss"``, ...), and
       ``"iteration"`` (the optimizer's iteration count after each step, where the
       step's variables include a Keras optimizer's ``iteration``). ``batches``: a nest
       of tensors whose leading dimension is N (step k takes slice k), or a
       ``tf.data`` iterator (N elements, in order; fewer if it runs out: ``n`` is then
-      the number taken, said by a warning, with no retrace). An element whose shapes
+      the number taken, said by a warning, with no retrace). Where its elements all have
+      the same, known shapes (``batch(n, drop_remainder=True)``, ``from_tensor_slices``)
+      and without XLA or a strategy, the fused call takes them itself, one ``get_next``
+      a step (as Keras's ``steps_per_execution``); else they are taken and stacked
+      before it. An element whose shapes
       differ from the fused steps' (a short last batch, a ``padded_batch`` of its own
       length) ends the call: it runs as one single step traced for its shapes, as a
       single-step ``tf.function`` retraces for it, and a warning says so (under a
