@@ -700,7 +700,7 @@ def _referenced(fn):
         found += [scope[n] for n in code.co_names if n in scope]
     if owner is not None:
         found += [owner, getattr(owner, "optimizer", None)]
-        found += [v for v in vars(owner).values() if _is_optimizer(v)]
+        found += [v for v in getattr(owner, "__dict__", {}).values() if _is_optimizer(v)]
     return found
 
 
