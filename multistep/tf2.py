@@ -657,14 +657,41 @@ def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
         # and flags captured eagerly are data, not a trap.)
         if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
             continue
-        used = next((where for where in map(lint.built_at, inner.consumers()) if where), "")
+        used = _used_at(inner)
+        # (an eager value's placeholder is named by a number: no name to show)
+        named = "" if inner.op.name.rsplit("/", 1)[-1].isdigit() else f" as '{inner.op.name}'"
         findings.append(Finding("frozen", (
             f"{name}: the loop uses a value computed before the call (shape {outer.shape}, "
-            f"{outer.dtype.name}), captured as '{inner.op.name}'{used}: the same in every "
+            f"{outer.dtype.name}), captured{named}{used}: the same in every "
             f"step and every call. Data may be; anything computed from the weights (a "
             f"gradient, an L2 term) must be computed inside the loop. (A value an optimizer, "
             f"a schedule or a layer holds as an attribute is a constant, not reported.)")))
     return findings
+
+
+def _used_at(tensor, depth=3):
+    """`` at FILE:LINE (in FUNCTION)`` of the user's first op that uses ``tensor``: through
+    the functions it is passed to (a ``tf.function`` step, called inside the loop), whose
+    own ops were built at the user's lines; "" if none."""
+    for op in tensor.consumers():
+        where = lint.built_at(op)
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
+            inner = _called_input(op, tensor)
+            where = (inner is not None and _used_at(inner, depth - 1)) or where
+        if where:
+            return where
+    return ""
+
+
+def _called_input(op, tensor):
+    """The input placeholder of the function ``op`` calls that receives ``tensor``."""
+    name, graph, function = op.get_attr("f").name, op.graph, None
+    while graph is not None and function is None:
+        function = getattr(graph, "_functions", {}).get(name)
+        graph = getattr(graph, "outer_graph", None)
+    inputs = getattr(getattr(function, "graph", None), "inputs", [])
+    index = next((i for i, t in enumerate(op.inputs) if t.name == tensor.name), None)
+    return inputs[index] if index is not None and index < len(inputs) else None
 
 
 def _written_variables(body):
@@ -708,10 +735,23 @@ def _is_optimizer(value):
     return hasattr(getattr(value, "iterations", None), "assign_add")
 
 
-def _optimizers(step_fn):
+def _optimizers(step_fn, depth=3):
     """The objects with an ``iterations`` variable that ``step_fn`` refers to
-    (``_referenced``), once each."""
-    return list({id(o): o for o in _referenced(step_fn) if _is_optimizer(o)}.values())
+    (``_referenced``), or the functions it refers to do (a step that calls another), once
+    each."""
+    found, seen, todo = {}, set(), [(step_fn, 0)]
+    while todo:
+        fn, level = todo.pop()
+        if id(fn) in seen or level > depth:
+            continue
+        seen.add(id(fn))
+        for value in _referenced(fn):
+            if _is_optimizer(value):
+                found[id(value)] = value
+            elif inspect.isfunction(value) or inspect.ismethod(value) or hasattr(
+                    value, "python_function"):
+                todo.append((value, level + 1))
+    return list(found.values())
 
 
 def _held_constants(roots, depth=4):

@@ -829,28 +829,45 @@ def test_verify_a_step_that_returns_nothing():
 
 def two_losses_step():
     """WGAN-GP's and keras-io's DCGAN's train_step shape: logs without a 'loss' key."""
-    variables, gan = gan_step()
-    g, d = variables[:2], variables[2:]
+    model, opt, step = keras_step("dropout", "adam")
 
-    def step(images):
-        gan(images)
-        return {"d_loss": tf.reduce_sum(d[0]), "g_loss": tf.reduce_sum(g[0]),
-                "count": tf.constant(1)}
+    def train_step(batch):
+        logs = step(batch)
+        return {"d_loss": logs["loss"], "g_loss": logs["grad_norm"], "count": tf.constant(1)}
 
-    return variables, step
+    return model.variables + opt.variables, train_step
 
 
 def test_logs_without_a_loss_key_are_taken_as_they_are():
     """Case 4: main refused them ("step_fn must return a loss, a dict with a 'loss'")."""
-    images = X[:, :, :4]
     variables, step = two_losses_step()
-    out = ms.tf2.fuse(step, STEPS)(images[:STEPS])
+    out = ms.tf2.fuse(step, STEPS)((X[:STEPS], Y[:STEPS]))
     reference, single = two_losses_step()
-    want = single_calls(single, images, STEPS)
-    assert sorted(out) == ["count", "d_loss", "g_loss"]  # (two optimizers: no 'iteration')
+    want = single_calls(single, (X, Y), STEPS)
+    assert sorted(out) == ["count", "d_loss", "g_loss", "iteration"]
     for key in ("d_loss", "g_loss", "count"):
         np.testing.assert_array_equal(out[key].numpy(), [w[key].numpy() for w in want])
     assert_same_variables(variables, reference)
+
+
+@pytest.mark.xfail(strict=True, reason="noticed in issue 39, open: a discriminator called "
+                   "twice (real, fake) gets other discriminator gradients fused than single "
+                   "from step 3 (1-3 ulp); gone with Grappler's arithmetic_optimization off")
+def test_a_gan_steps_optimizer_slots_are_bitwise():
+    """The DCGAN shape (gan_step): every variable, the optimizers' slots included (the
+    test above it compares the models' weights only)."""
+    def optimizers(step):
+        return [c.cell_contents for c in step.__closure__
+                if isinstance(c.cell_contents, keras.optimizers.Optimizer)]
+    images = X[:, :, :4]
+    _, reference = gan_step()
+    single = tf.function(reference)
+    for i in range(STEPS):
+        single(images[i])
+    _, step = gan_step()
+    ms.tf2.fuse(step, STEPS)(images[:STEPS])
+    assert_same_variables([v for o in optimizers(step) for v in o.variables],
+                          [v for o in optimizers(reference) for v in o.variables])
 
 
 def test_the_xla_convolution_warning_says_fused_xla_steps_are_not_promised_bitwise():
@@ -874,9 +891,10 @@ def test_the_xla_convolution_warning_says_fused_xla_steps_are_not_promised_bitwi
     assert "are bitwise with single XLA" not in message
 
 
-def test_check_on_a_tf_function_step_does_not_report_a_schedules_constant():
+def test_check_on_a_tf_function_step_skips_a_schedules_constant_and_names_the_steps_line():
     """Case 5: main reported the Transformer schedule's d_model as frozen, named '943',
-    at the line that called check."""
+    at the line that called check. A frozen value a tf.function step uses is still found,
+    at the line in the step that uses it."""
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     opt = keras.optimizers.Adam(TransformerSchedule(64), beta_2=0.98, epsilon=1e-9)
@@ -892,6 +910,20 @@ def test_check_on_a_tf_function_step_does_not_report_a_schedules_constant():
         return loss
 
     assert ms.tf2.check(ms.tf2.fuse(step, STEPS), (X[:STEPS], Y[:STEPS])) == []
+
+    w, sgd = tf.Variable([1.0, -2.0]), keras.optimizers.SGD(0.1)
+    with tf.GradientTape() as tape:  # eagerly, before fusing: a constant of the trace
+        frozen_grad = tape.gradient(tf.reduce_sum(w * w), w)
+
+    @tf.function
+    def frozen(batch):
+        sgd.apply_gradients([(frozen_grad * batch, w)])
+        return tf.reduce_sum(w)
+
+    [finding] = ms.tf2.check(ms.tf2.fuse(frozen, STEPS), tf.ones([STEPS, 2]))
+    line = frozen.python_function.__code__.co_firstlineno + 2  # where the step uses it
+    assert finding.kind == "frozen" and f"at {__file__}:{line} (in frozen)" in str(finding)
+    assert "captured at" in str(finding)  # (no number for a name)
 
 
 def test_round_3_bad_arguments_get_a_clear_error_naming_the_argument():
