@@ -150,6 +150,15 @@ class Fused:
         self._candidates = None if optimizer is not None else _optimizers(step_fn)
         self._bodies = []  # the loop body's FuncGraph, from the trace
         self._positional = _positional_parameters(step_fn)
+        # The step as a function of its own inside the loop, as a single call runs it: the
+        # graph optimizer then rewrites it as it rewrites the single step's (inlined in the
+        # loop body, its gradient sums were rewritten otherwise: a GAN's discriminator,
+        # called on real and fake, got other gradients from step 3).
+        # (Under a strategy, called in each replica as written: Keras's optimizer refuses
+        # a function of its own there.)
+        self._step_function = (step_fn if strategy is not None
+                               or hasattr(step_fn, "get_concrete_function") else
+                               tf.function(step_fn, autograph=False))
         self._traces = 0
         self._signature = None  # the batches' TensorSpecs of the first call
         self._source = None  # and their kind: "tensors" or "iterator" (_in_graph)
@@ -409,7 +418,7 @@ class Fused:
 
     def _call(self, batch):
         """step_fn on one step's batch (a replica's share, under a strategy)."""
-        return self.step_fn(*self._arguments(batch))
+        return self._step_function(*self._arguments(batch))
 
     def _arguments(self, batch):
         """step_fn's arguments for one step's batch: the batch, or its items where step_fn
@@ -624,8 +633,8 @@ def _loop_bodies(graph):
 
 def _python_state_findings(fused, batches):
     batch = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), batches)
-    graphs = [tf.function(fused._call, autograph=False).get_concrete_function(batch).graph
-              for _ in range(2)]
+    graphs = [tf.function(lambda b: fused.step_fn(*fused._arguments(b)), autograph=False)
+              .get_concrete_function(batch).graph for _ in range(2)]
     constants = [[(op, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
                   if op.type == "Const"] for g in graphs]
     findings = []
@@ -694,6 +703,29 @@ def _called_input(op, tensor):
     return inputs[index] if index is not None and index < len(inputs) else None
 
 
+def _writes(graph, depth=3):
+    """(op, the written handle in ``graph``) of each variable write in ``graph`` and in
+    the functions it calls (the call op, and its input that the function writes)."""
+    out = []
+    for op in graph.get_operations():
+        if lint.is_write(op):
+            out.append((op, op.inputs[0]))
+        elif op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
+            name, outer, function = op.get_attr("f").name, graph, None
+            while outer is not None and function is None:
+                function = getattr(outer, "_functions", {}).get(name)
+                outer = getattr(outer, "outer_graph", None)
+            inner = getattr(function, "graph", None)
+            if inner is None:
+                continue
+            index = {t.name: i for i, t in enumerate(inner.inputs)}
+            for _, handle in _writes(inner, depth - 1):
+                i = index.get(lint.source_op(handle).outputs[0].name)
+                if i is not None and i < len(op.inputs):
+                    out.append((op, op.inputs[i]))
+    return out
+
+
 def _written_variables(body):
     """The variables the loop body writes: the op that holds each one's handle in the graph
     around the loop (what ``lint.check_captures`` walks) -> the writing op's name. The body
@@ -702,13 +734,12 @@ def _written_variables(body):
     around = {outer.ref(): inner for outer, inner in getattr(body.outer_graph, "captures", ())}
     outer_of = {inner.ref(): outer for outer, inner in body.captures}
     written = {}
-    for op in body.get_operations():
-        if lint.is_write(op):
-            outer = outer_of.get(lint.source_op(op.inputs[0]).outputs[0].ref())
-            if outer is not None and not tf.is_symbolic_tensor(outer):
-                outer = around.get(outer.ref())
-            if outer is not None:
-                written[lint.source_op(outer)] = op.name
+    for op, handle in _writes(body):
+        outer = outer_of.get(lint.source_op(handle).outputs[0].ref())
+        if outer is not None and not tf.is_symbolic_tensor(outer):
+            outer = around.get(outer.ref())
+        if outer is not None:
+            written[lint.source_op(outer)] = op.name
     return written
 
 

@@ -850,12 +850,13 @@ def test_logs_without_a_loss_key_are_taken_as_they_are():
     assert_same_variables(variables, reference)
 
 
-@pytest.mark.xfail(strict=True, reason="noticed in issue 39, open: a discriminator called "
-                   "twice (real, fake) gets other discriminator gradients fused than single "
-                   "from step 3 (1-3 ulp); gone with Grappler's arithmetic_optimization off")
 def test_a_gan_steps_optimizer_slots_are_bitwise():
-    """The DCGAN shape (gan_step): every variable, the optimizers' slots included (the
-    test above it compares the models' weights only)."""
+    """Found under issue 39 (main: the discriminator's Adam slots 1-3 ulp off from step 3):
+    the discriminator is called on real and fake, and with the step inlined in the loop
+    body the graph optimizer summed its two gradients otherwise than in the single step's
+    function. Now the step is a function of its own in the loop: every variable, the
+    optimizers' slots included (test_a_step_that_returns_nothing_is_fused_bitwise
+    compares the models' weights only)."""
     def optimizers(step):
         return [c.cell_contents for c in step.__closure__
                 if isinstance(c.cell_contents, keras.optimizers.Optimizer)]
