@@ -16,6 +16,7 @@ import tensorflow as tf
 
 __all__ = ["StepHistory"]
 
+_LAST = "_multistep_step_history"  # the model's attribute: the last StepHistory of its fits
 _ROWS = 1024  # the buffer's rows (at least N): read once in this many steps without callbacks
 
 
@@ -56,6 +57,11 @@ class StepHistory(keras.callbacks.Callback):
 
     def __init__(self, callbacks=(), log_dir=None):
         super().__init__()
+        if not isinstance(callbacks, (list, tuple)):
+            fix = (" (for none, leave it out: its default is ())" if callbacks is None else
+                   " (one callback: callbacks=[it])")
+            raise TypeError(f"StepHistory: callbacks must be a list of keras.callbacks.Callback "
+                            f"(each called once per inner step), got {callbacks!r}{fix}.")
         self.callbacks = list(callbacks)
         for i, callback in enumerate(self.callbacks):
             if not isinstance(callback, keras.callbacks.Callback):
@@ -95,6 +101,19 @@ class StepHistory(keras.callbacks.Callback):
             # The same model, compiled the same way: the train function traced in an
             # earlier fit, with this callback's train_step (no retrace, no recompile).
             model.train_step, model.train_function = traced[3], traced[4]
+            return
+        earlier = getattr(model, _LAST, None)  # another StepHistory's, from an earlier fit
+        if (self._buffer is None and earlier is not None and earlier[0]._traced is not None
+                and earlier[0]._traced[1] is config and earlier[0]._traced[2] == spe):
+            # A new StepHistory for each fit: its train function and buffers, this one's
+            # steps counted from the buffers' count now (no retrace, no recompile).
+            other = earlier[0]
+            self._buffer, self._count, self._keys = other._buffer, other._count, other._keys
+            self._rows, self._spe, self._traced = other._rows, spe, (model, *other._traced[1:])
+            self._read = int(tf.raw_ops.ReadVariableOp(resource=self._count.handle,
+                                                       dtype=tf.int64).numpy())
+            self._offset = -self._read
+            model.train_step, model.train_function = other._traced[3], other._traced[4]
             return
         # Another model, compile or N: new buffers, made at the trace, sized for N and the
         # logs' keys (the last fit's steps were all read at its end).
@@ -193,6 +212,8 @@ class StepHistory(keras.callbacks.Callback):
         if self._original is not None and "train_step" in vars(self.model):
             self._traced = (self.model, getattr(self.model, "_compile_config", None), self._spe,
                             self.model.train_step, self.model.train_function)
+            # (for a new StepHistory in the model's next fit; set past Keras's tracking)
+            object.__setattr__(self.model, _LAST, (self,))
             del self.model.train_step
             self.model.train_function = self._own_function
         self._original = self._own_function = None

@@ -22,6 +22,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
 
 from multistep import lint
 from multistep.verify import _max_abs_diff, _same_bits
@@ -34,19 +35,41 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
     """N calls of ``step_fn`` in one ``tf.function`` call.
 
     Args:
-      step_fn: ``step_fn(batch) -> loss`` or ``-> {"loss": ..., other scalars}``: one
-        training step (forward, tape, ``optimizer.apply_gradients``), as you would
-        decorate with ``tf.function``. Variables (a Keras model built lazily, the
-        optimizer's slots) may be created on the first call.
+      step_fn: ``step_fn(batch) -> loss``, ``-> {name: scalar, ...}`` (logs as they are,
+        with or without a ``"loss"``: a Keras ``train_step``'s ``d_loss``/``g_loss``) or
+        ``-> None``: one training step (forward, tape, ``optimizer.apply_gradients``), as
+        you would decorate with ``tf.function`` (a ``tf.function`` is taken too), or
+        ``step_fn(x, y)`` for batches ``(xs, ys)``. Variables (a Keras model built lazily,
+        the optimizer's slots) may be created on the first call.
       steps: N >= 1, the steps of one call.
-      jit_compile: compile the N steps as one XLA program (compare with single steps
-        compiled too: ``verify(..., jit_compile=True)``).
-      check: on the first call, refuse (``ms.StaleForwardError``) a loop that captures a
-        value computed before it from a variable the loop writes (see ``check``).
+      jit_compile: compile the N steps as one XLA program. Its reference is N single
+        ``tf.function(step_fn, jit_compile=True)`` calls, and what holds against them is
+        less than without XLA (measure it: ``verify(..., jit_compile=True)``):
+
+        - Dense layers, batch normalization, Keras layers' own randomness
+          (``keras.layers.Dropout(rate, seed=...)``: stateless ops seeded from a
+          ``SeedGenerator`` variable) and the Keras optimizers: bitwise with the single
+          XLA calls in this project's tests.
+        - Convolutions on the CPU: not promised bitwise. XLA rounds them otherwise than
+          TensorFlow's kernels, and compiles N steps as one program, which it may fuse
+          otherwise than one step (a VAE: 9.8e-4 after a few steps); and they can be
+          several times slower. A warning at the first call says so.
+        - Stateful random ops (``tf.random.normal``, ``tf.random.uniform``,
+          ``tf.nn.dropout``, seeded or not): different numbers from step 1, since XLA
+          draws them from a generator of its own per compiled program. A warning at the
+          first call names them and ``check`` reports them (kind ``"random"``); draw with
+          stateless ops seeded from a variable the step advances, or fuse without XLA.
+        - A ``tf.data`` iterator is read outside the XLA program (one block of N
+          elements per call), and ``jit_compile=True`` under a strategy is refused.
+      check: True: on the first call, refuse (``ms.StaleForwardError``) a loop that
+        captures a value computed before it from a variable the loop writes (see
+        ``check``); False: don't.
       optimizer: the optimizer whose ``iterations`` the output ``"iteration"`` reads;
-        default: the one object with an ``iterations`` variable that ``step_fn`` refers
-        to (in its closure, by a global name, or as ``self.optimizer`` of a bound
-        method such as a Keras model's ``train_step``); none found, no ``"iteration"``.
+        default: of the objects with an ``iterations`` variable that ``step_fn`` refers
+        to (in its closure, by a global name, or as an attribute of ``self`` of a bound
+        method such as a Keras model's ``train_step``; through a ``tf.function``), the
+        one whose iteration the traced step advances (not a bare ``compile()``'s unused
+        default); none, or several (a GAN's two), no ``"iteration"``.
       strategy: a ``tf.distribute`` strategy (MirroredStrategy): each step runs
         ``strategy.run(step_fn, (batch,))``, the loop staying outside ``strategy.run``;
         replica r takes its share of each step's batch (the leading, batch dimension
@@ -59,12 +82,16 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
 
     Returns:
       A ``Fused``: ``fused(batches)`` runs the steps and returns a dict of ``[n]``
-      tensors, one value per step: ``"loss"``, the step's other scalars, and
+      tensors, one value per step: the step's scalars (``"loss"``, ...), and
       ``"iteration"`` (the optimizer's iteration count after each step, where the
       step's variables include a Keras optimizer's ``iteration``). ``batches``: a nest
       of tensors whose leading dimension is N (step k takes slice k), or a
       ``tf.data`` iterator (N elements, in order; fewer if it runs out: ``n`` is then
-      the number taken, said by a warning, with no retrace). An element whose shapes
+      the number taken, said by a warning, with no retrace). Where its elements all have
+      the same, known shapes (``batch(n, drop_remainder=True)``, ``from_tensor_slices``)
+      and without XLA or a strategy, the fused call takes them itself, one ``get_next``
+      a step (as Keras's ``steps_per_execution``); else they are taken and stacked
+      before it. An element whose shapes
       differ from the fused steps' (a short last batch, a ``padded_batch`` of its own
       length) ends the call: it runs as one single step traced for its shapes, as a
       single-step ``tf.function`` retraces for it, and a warning says so (under a
@@ -90,6 +117,9 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
         raise ValueError(f"steps must be an int >= 1, got {steps!r}.")
     if not isinstance(jit_compile, bool):
         raise TypeError(f"jit_compile must be True or False, got {jit_compile!r}.")
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be True or False (refuse a stale capture at the first "
+                        f"call, or not), got {check!r}.")
     if reduce not in ("sum", "mean"):
         raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}.")
     if strategy is not None:
@@ -101,12 +131,11 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
                 "XLA program is compiled for one device, and a Keras variable of the second "
                 "replica then fails (InvalidArgumentError: Trying to access resource ... located "
                 "in device ... replica_1). Fuse under the strategy without XLA.")
-    if optimizer is not None and not hasattr(getattr(optimizer, "iterations", None), "assign_add"):
+    if optimizer is not None and not _is_optimizer(optimizer):
         raise TypeError(f"optimizer must be the optimizer step_fn applies (one with an "
                         f"iterations variable), got {type(optimizer).__name__}: pass "
                         f"model.optimizer, not the model.")
-    return Fused(step_fn, int(steps), jit_compile, check, optimizer or _find_optimizer(step_fn),
-                 strategy, reduce)
+    return Fused(step_fn, int(steps), jit_compile, check, optimizer, strategy, reduce)
 
 
 class Fused:
@@ -116,10 +145,23 @@ class Fused:
                  reduce="sum"):
         self.step_fn, self.steps, self.jit_compile, self._check = step_fn, steps, jit_compile, check
         self.optimizer, self.strategy, self.reduce = optimizer, strategy, reduce
+        # Without optimizer=: the optimizers step_fn refers to, of which the trace keeps the
+        # one whose iteration the step writes (_applied).
+        self._candidates = None if optimizer is not None else _optimizers(step_fn)
         self._bodies = []  # the loop body's FuncGraph, from the trace
         self._positional = _positional_parameters(step_fn)
+        # The step as a function of its own inside the loop, as a single call runs it: the
+        # graph optimizer then rewrites it as it rewrites the single step's (inlined in the
+        # loop body, its gradient sums were rewritten otherwise: a GAN's discriminator,
+        # called on real and fake, got other gradients from step 3).
+        # (Under a strategy, called in each replica as written: Keras's optimizer refuses
+        # a function of its own there.)
+        self._step_function = (step_fn if strategy is not None
+                               or hasattr(step_fn, "get_concrete_function") else
+                               tf.function(step_fn, autograph=False))
         self._traces = 0
         self._signature = None  # the batches' TensorSpecs of the first call
+        self._source = None  # and their kind: "tensors" or "iterator" (_in_graph)
         self._single = None  # one step, for an element of other shapes (_call_iterator)
         self._function = tf.function(self._program, jit_compile=jit_compile, autograph=False)
 
@@ -129,6 +171,8 @@ class Fused:
                             "experimental_distribute_dataset(...))) needs the strategy: "
                             "fuse(step_fn, N, strategy=strategy).")
         if _is_iterator(batches):
+            if self._in_graph(batches):
+                return self._run(batches)
             return self._call_iterator(batches)
         if batches is None or isinstance(batches, tf.data.Dataset) or inspect.isgenerator(batches):
             what = "None" if batches is None else type(batches).__name__
@@ -140,18 +184,38 @@ class Fused:
         self._check_leading(batches)
         return self._run(batches)
 
+    def _in_graph(self, iterator):
+        """Whether the loop takes its steps' elements from ``iterator`` itself (one
+        ``get_next`` a step inside the call, as Keras's ``steps_per_execution`` does): a
+        ``tf.data`` iterator whose elements all have the same, known shapes, without XLA
+        (which has no kernel for the iterator) or a strategy. Else ``_call_iterator``."""
+        if self.jit_compile or self.strategy is not None or not isinstance(
+                iterator, tf.data.Iterator):
+            return False
+        specs = tf.nest.flatten(iterator.element_spec, expand_composites=False)
+        return all(isinstance(spec, tf.TensorSpec) and spec.shape.is_fully_defined()
+                   for spec in specs) and self._source != "tensors"
+
     def _run(self, batches, count=None):
-        batches = tf.nest.map_structure(
-            lambda t: t if _is_distributed(t) else tf.convert_to_tensor(t), batches)
-        signature = tf.nest.map_structure(tf.type_spec_from_value, batches)
+        from_iterator = isinstance(batches, tf.data.Iterator)
+        if from_iterator:  # (the same steps' signature as N stacked elements)
+            signature = tf.nest.map_structure(
+                lambda spec: tf.TensorSpec([self.steps, *spec.shape], spec.dtype),
+                batches.element_spec)
+        else:
+            batches = tf.nest.map_structure(
+                lambda t: t if _is_distributed(t) else tf.convert_to_tensor(t), batches)
+            signature = tf.nest.map_structure(tf.type_spec_from_value, batches)
+        source = "iterator" if from_iterator else "tensors"
         if self._signature is None:
-            self._signature = signature
-        elif signature != self._signature:
+            self._signature, self._source = signature, source
+        elif signature != self._signature or source != self._source:
             raise RuntimeError(
-                f"ms.tf2.fuse: these batches ({signature}) would trace the fused steps again "
-                f"(first traced for {self._signature}). A second trace would freeze step_fn's "
-                f"Python values anew and compile again; keep the batches' structure, shapes "
-                f"and dtypes (a tf.data input's last short block is run without a retrace).")
+                f"ms.tf2.fuse: these batches ({source}: {signature}) would trace the fused "
+                f"steps again (first traced for {self._source}: {self._signature}). A second "
+                f"trace would freeze step_fn's Python values anew and compile again; keep the "
+                f"batches' kind (tensors or a tf.data iterator), structure, shapes and dtypes "
+                f"(a tf.data input's last short block is run without a retrace).")
         count = tf.constant(self.steps if count is None else count)
         if self._traces == 0:  # trace (and check) before anything runs
             if self.strategy is not None:
@@ -160,15 +224,27 @@ class Fused:
                 concrete = self._function.get_concrete_function(batches, count)
             if self.jit_compile:
                 _warn_convolutions_under_xla(concrete.graph)
+                found = _random_ops(concrete.graph)
+                if found:
+                    warnings.warn(_random_under_xla_message(found), RuntimeWarning,
+                                  stacklevel=lint.user_stacklevel())
             if self._check:
                 findings = self.findings(frozen=False)
                 if findings:
                     raise lint.StaleForwardError(str(findings[0]))
         traces = self._traces
-        out = self._function(batches, count)
+        out, taken = self._function(batches, count)
         if self._traces != traces:  # a retrace not caught above: say so
             raise RuntimeError(f"ms.tf2.fuse: the fused steps were traced again (trace "
                                f"{self._traces}), though the batches' signature did not change.")
+        if from_iterator:
+            taken = int(taken)
+            if taken == 0:
+                raise tf.errors.OutOfRangeError(None, None, "ms.tf2.fuse: the input is exhausted.")
+            if taken < self.steps:
+                warnings.warn(f"ms.tf2.fuse: the input ran out: this call ran {taken} of its "
+                              f"{self.steps} steps.", RuntimeWarning, stacklevel=3)
+                out = {key: value[:taken] for key, value in out.items()}
         return out
 
     def _call_iterator(self, iterator):
@@ -270,31 +346,49 @@ class Fused:
         frozen once, as one trace of the single step freezes it. The outputs' keys and
         dtypes are known only once the body is traced: each step writes its scalars as one
         float64 vector (exact for float32 and for integers below 2^53) into a TensorArray
-        whose element shape the body sets, and they are split and cast back after it."""
+        whose element shape the body sets, and they are split and cast back after it.
+
+        ``batches``: N steps' tensors (step k takes slice k), or a ``tf.data`` iterator
+        (``_in_graph``): then the loop carries the next element as an optional, taken at
+        the end of the step before (none after step N, so no element is taken beyond the
+        call's), and stops early where the input runs out. Returns the outputs and the
+        number of steps run."""
         self._traces += 1
         count = tf.convert_to_tensor(count, tf.int32)
         kinds = {}  # key -> dtype, in the order written
+        iterator = batches if isinstance(batches, tf.data.Iterator) else None
 
-        def body(k, count, written):
+        def take(k):  # the next element, if step k is to run
+            return tf.cond(k < count, iterator.get_next_as_optional,
+                           lambda: tf.experimental.Optional.empty(iterator.element_spec))
+
+        def body(k, count, written, *element):
             graph = tf.compat.v1.get_default_graph()
             self._bodies.append(graph)
             with graph.name_scope(None):  # the names a single call gives (slots, layers)
-                out = self._step(batches, k)
+                out = (self._outputs(element[0].get_value()) if iterator is not None
+                       else self._step(batches, k))
             kinds.clear()
             kinds.update((key, out[key].dtype) for key in sorted(out))
             row = (tf.stack([tf.cast(out[key], tf.float64) for key in kinds]) if kinds
                    else tf.zeros([0], tf.float64))  # (a step with no outputs)
-            return k + 1, count, written.write(k, row)
+            element = (take(k + 1),) if iterator is not None else ()
+            return (k + 1, count, written.write(k, row), *element)
+
+        def more(k, count, written, *element):
+            return tf.logical_and(k < count, element[0].has_value()) if element else k < count
 
         # One iteration at a time: step k+1 reads what step k wrote. (count is a loop
         # variable, not a capture: under a strategy a captured argument went unfed.)
         rows = tf.TensorArray(tf.float64, size=self.steps, infer_shape=False)
-        _, _, rows = tf.while_loop(lambda k, count, _: k < count, body,
-                                   (tf.constant(0), count, rows),
-                                   maximum_iterations=self.steps, parallel_iterations=1,
-                                   name="fused_steps")
-        table = rows.stack()
-        return {key: tf.cast(table[:, j], dtype) for j, (key, dtype) in enumerate(kinds.items())}
+        first = (take(tf.constant(0)),) if iterator is not None else ()
+        k, _, rows, *_ = tf.while_loop(more, body, (tf.constant(0), count, rows, *first),
+                                       maximum_iterations=self.steps, parallel_iterations=1,
+                                       name="fused_steps")
+        table = tf.cond(k > 0, rows.stack,  # (none written: an input exhausted before)
+                        lambda: tf.zeros([self.steps, len(kinds)], tf.float64))
+        return ({key: tf.cast(table[:, j], dtype) for j, (key, dtype) in enumerate(kinds.items())},
+                k)
 
     def _step(self, batches, k):
         if any(_is_distributed(t) for t in tf.nest.flatten(batches)):  # each replica its own
@@ -304,6 +398,8 @@ class Fused:
     def _outputs(self, batch, k=None):
         """step_fn on ``batch``: its outputs as a dict of scalars, with ``"iteration"``
         (``k``: ``batch`` holds values per replica of N steps, and this is step k)."""
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
         try:
             returned = (self._call(batch) if self.strategy is None
                         else self._replicated(batch, k))
@@ -313,26 +409,23 @@ class Fused:
                 f"`if`, `for` or `while` on a tensor in it cannot run: {error}. Write it with "
                 f"tf.cond / tf.where / tf.while_loop, or decorate step_fn with tf.function "
                 f"(autograph converts it) and pass that.") from error
-        if returned is None:  # a step that returns nothing (the DCGAN tutorial's)
-            returned = {}
-        out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
-        if "loss" not in out and out:
-            raise ValueError(f"step_fn must return a loss, a dict with a 'loss', or nothing; "
-                             f"got keys {sorted(out)}.")
-        out = {key: tf.convert_to_tensor(value) for key, value in out.items()}
-        for key, value in out.items():
-            if value.shape.rank != 0:
-                raise ValueError(f"step_fn's {key!r} must be a scalar, got shape {value.shape}.")
+        out = _as_outputs(returned)
+        if self._candidates is not None:  # the trace shows which optimizer the step applies
+            self.optimizer = _applied(self._candidates, graph.get_operations()[before:])
         if self.optimizer is not None and "iteration" not in out:
             out["iteration"] = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.int64)
         return out
 
     def _call(self, batch):
-        """step_fn on one step's batch (a replica's share, under a strategy): the batch, or
-        its items where step_fn takes as many (``train_step(x, y)`` with ``(xs, ys)``)."""
+        """step_fn on one step's batch (a replica's share, under a strategy)."""
+        return self._step_function(*self._arguments(batch))
+
+    def _arguments(self, batch):
+        """step_fn's arguments for one step's batch: the batch, or its items where step_fn
+        takes as many (``train_step(x, y)`` with ``(xs, ys)``)."""
         if isinstance(batch, (tuple, list)) and self._positional == len(batch) > 1:
-            return self.step_fn(*batch)
-        return self.step_fn(batch)
+            return tuple(batch)
+        return (batch,)
 
     def _trace_without_creating_variables(self, batches, count):
         """Under a strategy, trace first and refuse a step that creates variables: made in
@@ -401,7 +494,9 @@ class Fused:
         if not frozen:
             return _stale_findings(body, written)
         roots = _referenced(self.step_fn) + [self.optimizer]
-        return _capture_findings(body, written, constants=_held_constants(roots))
+        findings = _capture_findings(body, written, constants=_held_constants(roots))
+        found = _random_ops(body) if self.jit_compile else []
+        return findings + ([Finding("random", _random_under_xla_message(found))] if found else [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,7 +559,63 @@ def check(fused, *args):
     fused._check_leading(batches)
     fused._function.get_concrete_function(
         tf.nest.map_structure(tf.convert_to_tensor, batches), tf.constant(fused.steps))
-    return fused.findings() + _python_state_findings(fused.step_fn, batches)
+    return fused.findings() + _python_state_findings(fused, batches)
+
+
+def _as_outputs(returned):
+    """What step_fn returned as a dict of scalar tensors: a loss, a dict of logs as they are
+    (a Keras ``train_step``'s, with or without a ``"loss"``), or nothing (``{}``)."""
+    if returned is None:  # a step that returns nothing (the DCGAN tutorial's)
+        return {}
+    out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
+    for key, value in out.items():
+        try:
+            value = tf.convert_to_tensor(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"step_fn's {key!r} must be a number or a scalar tensor, got "
+                            f"{type(value).__name__}: {error}") from None
+        if not (value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_bool):
+            raise TypeError(f"step_fn's {key!r} must be a number or a scalar tensor (one value "
+                            f"per step), got a {value.dtype.name} tensor. Return numbers only: "
+                            f"text can be made from the outputs after the call.")
+        if value.shape.rank != 0:
+            raise ValueError(f"step_fn's {key!r} must be a scalar, got shape {value.shape}.")
+        out[key] = value
+    return out
+
+
+def _applied(optimizers, ops):
+    """The one optimizer among ``optimizers`` whose ``iterations`` variable ``ops`` (a
+    step's trace) write or pass to a function they call (a ``tf.function`` step, a cond),
+    else None: the optimizer a step trains through, not an unused one it also refers to
+    (a bare ``compile()``'s default)."""
+    handles = {id(_handle(o.iterations)): o for o in optimizers}
+    applied = {}
+    for op in ops:
+        if not (lint.is_write(op) or op.type in lint.CALL_OPS):
+            continue
+        for t in op.inputs:
+            if t.dtype == tf.resource:
+                o = handles.get(id(_eager_source(t)))
+                if o is not None:
+                    applied[id(o)] = o
+    return next(iter(applied.values())) if len(applied) == 1 else None
+
+
+def _handle(variable):
+    return getattr(variable, "handle", None)
+
+
+def _eager_source(t):
+    """The eager tensor (a variable's handle) that the graph tensor ``t`` was captured
+    from, through the function graphs around it; else None."""
+    while tf.is_symbolic_tensor(t):
+        t = lint.source_op(t).outputs[0]
+        outer = {inner.ref(): outer for outer, inner in getattr(t.graph, "captures", ())}
+        t = outer.get(t.ref())
+        if t is None:
+            return None
+    return t
 
 
 def _loop_bodies(graph):
@@ -480,10 +631,10 @@ def _loop_bodies(graph):
     return out
 
 
-def _python_state_findings(step_fn, batches):
+def _python_state_findings(fused, batches):
     batch = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), batches)
-    graphs = [tf.function(step_fn, autograph=False).get_concrete_function(batch).graph
-              for _ in range(2)]
+    graphs = [tf.function(lambda b: fused.step_fn(*fused._arguments(b)), autograph=False)
+              .get_concrete_function(batch).graph for _ in range(2)]
     constants = [[(op, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
                   if op.type == "Const"] for g in graphs]
     findings = []
@@ -515,14 +666,64 @@ def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
         # and flags captured eagerly are data, not a trap.)
         if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
             continue
-        used = next((where for where in map(lint.built_at, inner.consumers()) if where), "")
+        used = _used_at(inner)
+        # (an eager value's placeholder is named by a number: no name to show)
+        named = "" if inner.op.name.rsplit("/", 1)[-1].isdigit() else f" as '{inner.op.name}'"
         findings.append(Finding("frozen", (
             f"{name}: the loop uses a value computed before the call (shape {outer.shape}, "
-            f"{outer.dtype.name}), captured as '{inner.op.name}'{used}: the same in every "
+            f"{outer.dtype.name}), captured{named}{used}: the same in every "
             f"step and every call. Data may be; anything computed from the weights (a "
             f"gradient, an L2 term) must be computed inside the loop. (A value an optimizer, "
             f"a schedule or a layer holds as an attribute is a constant, not reported.)")))
     return findings
+
+
+def _used_at(tensor, depth=3):
+    """`` at FILE:LINE (in FUNCTION)`` of the user's first op that uses ``tensor``: through
+    the functions it is passed to (a ``tf.function`` step, called inside the loop), whose
+    own ops were built at the user's lines; "" if none."""
+    for op in tensor.consumers():
+        where = lint.built_at(op)
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
+            inner = _called_input(op, tensor)
+            where = (inner is not None and _used_at(inner, depth - 1)) or where
+        if where:
+            return where
+    return ""
+
+
+def _called_input(op, tensor):
+    """The input placeholder of the function ``op`` calls that receives ``tensor``."""
+    name, graph, function = op.get_attr("f").name, op.graph, None
+    while graph is not None and function is None:
+        function = getattr(graph, "_functions", {}).get(name)
+        graph = getattr(graph, "outer_graph", None)
+    inputs = getattr(getattr(function, "graph", None), "inputs", [])
+    index = next((i for i, t in enumerate(op.inputs) if t.name == tensor.name), None)
+    return inputs[index] if index is not None and index < len(inputs) else None
+
+
+def _writes(graph, depth=3):
+    """(op, the written handle in ``graph``) of each variable write in ``graph`` and in
+    the functions it calls (the call op, and its input that the function writes)."""
+    out = []
+    for op in graph.get_operations():
+        if lint.is_write(op):
+            out.append((op, op.inputs[0]))
+        elif op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
+            name, outer, function = op.get_attr("f").name, graph, None
+            while outer is not None and function is None:
+                function = getattr(outer, "_functions", {}).get(name)
+                outer = getattr(outer, "outer_graph", None)
+            inner = getattr(function, "graph", None)
+            if inner is None:
+                continue
+            index = {t.name: i for i, t in enumerate(inner.inputs)}
+            for _, handle in _writes(inner, depth - 1):
+                i = index.get(lint.source_op(handle).outputs[0].name)
+                if i is not None and i < len(op.inputs):
+                    out.append((op, op.inputs[i]))
+    return out
 
 
 def _written_variables(body):
@@ -533,37 +734,55 @@ def _written_variables(body):
     around = {outer.ref(): inner for outer, inner in getattr(body.outer_graph, "captures", ())}
     outer_of = {inner.ref(): outer for outer, inner in body.captures}
     written = {}
-    for op in body.get_operations():
-        if lint.is_write(op):
-            outer = outer_of.get(lint.source_op(op.inputs[0]).outputs[0].ref())
-            if outer is not None and not tf.is_symbolic_tensor(outer):
-                outer = around.get(outer.ref())
-            if outer is not None:
-                written[lint.source_op(outer)] = op.name
+    for op, handle in _writes(body):
+        outer = outer_of.get(lint.source_op(handle).outputs[0].ref())
+        if outer is not None and not tf.is_symbolic_tensor(outer):
+            outer = around.get(outer.ref())
+        if outer is not None:
+            written[lint.source_op(outer)] = op.name
     return written
 
 
 def _referenced(fn):
     """The objects ``fn`` refers to: its closure, the globals it names, and ``self`` of a
-    bound method with that object's ``optimizer``."""
+    bound method with that object's attributes (a Keras model's ``optimizer`` and its
+    own); a ``tf.function``'s, those of the Python function it wraps."""
+    owner = getattr(fn, "__self__", None)
+    fn = getattr(fn, "python_function", fn)  # (a tf.function: the function it traces)
+    owner = getattr(fn, "__self__", owner)
     code = getattr(fn, "__code__", None)
     found = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
              if _has_cell_contents(c)]
     if code is not None:
         scope = getattr(fn, "__globals__", {})
         found += [scope[n] for n in code.co_names if n in scope]
-    owner = getattr(fn, "__self__", None)
     if owner is not None:
         found += [owner, getattr(owner, "optimizer", None)]
+        found += [v for v in getattr(owner, "__dict__", {}).values() if _is_optimizer(v)]
     return found
 
 
-def _find_optimizer(step_fn):
-    """The optimizer ``step_fn`` uses, where it is the one object with an ``iterations``
-    variable among the objects it refers to (``_referenced``); else None."""
-    optimizers = {id(o): o for o in _referenced(step_fn)
-                  if hasattr(getattr(o, "iterations", None), "assign_add")}
-    return next(iter(optimizers.values())) if len(optimizers) == 1 else None
+def _is_optimizer(value):
+    return hasattr(getattr(value, "iterations", None), "assign_add")
+
+
+def _optimizers(step_fn, depth=3):
+    """The objects with an ``iterations`` variable that ``step_fn`` refers to
+    (``_referenced``), or the functions it refers to do (a step that calls another), once
+    each."""
+    found, seen, todo = {}, set(), [(step_fn, 0)]
+    while todo:
+        fn, level = todo.pop()
+        if id(fn) in seen or level > depth:
+            continue
+        seen.add(id(fn))
+        for value in _referenced(fn):
+            if _is_optimizer(value):
+                found[id(value)] = value
+            elif inspect.isfunction(value) or inspect.ismethod(value) or hasattr(
+                    value, "python_function"):
+                todo.append((value, level + 1))
+    return list(found.values())
 
 
 def _held_constants(roots, depth=4):
@@ -631,7 +850,8 @@ _CONVOLUTIONS = frozenset({
 
 
 def _warn_convolutions_under_xla(graph):
-    """jit_compile=True on the CPU over a step with convolutions: say what it costs."""
+    """jit_compile=True on the CPU over a step with convolutions: say what it costs and
+    what holds."""
     if tf.config.list_logical_devices("GPU"):
         return
     found = sorted({node.op for node in lint.program_nodes(graph)} & _CONVOLUTIONS)
@@ -639,10 +859,37 @@ def _warn_convolutions_under_xla(graph):
         warnings.warn(
             f"ms.tf2.fuse: jit_compile=True on the CPU over a step with convolutions "
             f"({', '.join(found)}): XLA compiles them with its own CPU kernels, which round "
-            f"otherwise than TensorFlow's (fused XLA steps are bitwise with single XLA "
-            f"steps, not with plain ones) and can be several times slower (4-5x on a conv "
-            f"autoencoder here: benchmarks/tf2_conv.py). Time it both ways; "
-            f"jit_compile=False keeps TensorFlow's kernels.", RuntimeWarning, stacklevel=4)
+            f"otherwise than TensorFlow's, and compiles the N fused steps as one program, "
+            f"which it may fuse and round otherwise than one step: the fused steps are close "
+            f"to N single jit_compile=True calls, not promised bitwise with them "
+            f"(verify(step_fn, N, batches=..., jit_compile=True) measures it: 9.8e-4 on a "
+            f"conv VAE). They can also be several times slower (4-5x on a conv autoencoder "
+            f"here: benchmarks/tf2_conv.py). Time it both ways; jit_compile=False keeps "
+            f"TensorFlow's kernels and the bitwise promise.", RuntimeWarning, stacklevel=4)
+
+
+def _random_ops(graph):
+    """The stateful random ops (``tf.random.normal``, ``tf.nn.dropout``, ...) of ``graph``
+    and of the functions it calls, as ``'name' (Type)`` strings, sorted."""
+    found = set()
+    for node in lint.program_nodes(graph):
+        op_def = op_def_registry.get(node.op)
+        if node.op in lint._STATEFUL_RANDOM_OPS or (  # noqa: SLF001 (the shared list)
+                op_def is not None and op_def.is_stateful
+                and {"seed", "seed2"} <= {a.name for a in op_def.attr}):
+            found.add(f"'{node.name}' ({node.op})")
+    return sorted(found)
+
+
+def _random_under_xla_message(found):
+    return (f"ms.tf2.fuse: jit_compile=True over a step with stateful random ops "
+            f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): XLA draws their "
+            f"numbers from a generator of its own for each compiled program, seeded or not, "
+            f"so the fused steps draw other numbers than N single jit_compile=True calls, "
+            f"from step 1. For the same numbers, fuse without jit_compile, or draw with "
+            f"stateless ops seeded from a variable the step advances (a Keras layer's "
+            f"keras.random.SeedGenerator, as keras.layers.Dropout(rate, seed=...) does, or "
+            f"tf.random.stateless_normal(shape, seed=...)).")
 
 
 def _is_distributed(value):
@@ -692,6 +939,13 @@ def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=Non
         raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
     fused = fuse(step_fn, steps, jit_compile=jit_compile, check=False, optimizer=optimizer)
     total = fused.steps * calls
+    if batches is None or _is_iterator(batches) or inspect.isgenerator(batches):
+        what = "None" if batches is None else type(batches).__name__
+        raise TypeError(
+            f"verify: batches must be tensors with a leading dimension of steps * calls = "
+            f"{total} or a tf.data.Dataset of single batches, got {what}: verify feeds the "
+            f"same batches to the fused and to the single steps, so it needs data it can "
+            f"read twice. Pass the dataset itself, not iter(dataset).")
     if isinstance(batches, tf.data.Dataset):
         elements = list(batches.take(total))
         if len(elements) < total:
@@ -728,8 +982,8 @@ def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=Non
     for c in range(calls):
         outs = []
         for k in range(fused.steps):
-            returned = single(tf.nest.map_structure(lambda t: t[c * fused.steps + k], batches))
-            out = dict(returned) if isinstance(returned, dict) else {"loss": returned}
+            batch = tf.nest.map_structure(lambda t: t[c * fused.steps + k], batches)
+            out = _as_outputs(single(*fused._arguments(batch)))
             if fused.optimizer is not None and "iteration" not in out:
                 out["iteration"] = fused.optimizer.iterations
             outs.append({key: np.asarray(value) for key, value in out.items()})
@@ -751,10 +1005,14 @@ def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=Non
                 first = (c + 1, name)
     return Report(steps=fused.steps, runs=calls, atol=float(atol), per_variable=per_variable,
                   first_divergence=first, bitwise=bitwise,
-                  fused_losses=np.concatenate([o["loss"] for o in fused_out]),
-                  single_losses=np.concatenate([o["loss"] for o in single_out]),
+                  fused_losses=_losses(fused_out), single_losses=_losses(single_out),
                   final_values=fused_values[-1], xla=jit_compile,
                   plain_max_abs_diff=None)
+
+
+def _losses(outs):
+    """Each step's ``"loss"`` over the calls' outputs; empty for a step without one."""
+    return np.concatenate([o.get("loss", np.zeros([0], np.float32)) for o in outs])
 
 
 def _unique_names(variables):

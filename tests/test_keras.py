@@ -202,3 +202,31 @@ def test_steps_per_execution_auto_is_refused_by_name():
     with pytest.raises(TypeError, match="StepHistory needs compile\\(steps_per_execution=N\\) "
                                         "with an int N"):
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[ms.keras.StepHistory()])
+
+
+def test_a_new_step_history_for_each_fit_does_not_retrace():
+    """Issue 39, case 7: a new StepHistory per fit retraced and recompiled every fit (0.61
+    to 0.66 s a fit against 0.14 s). Now the second takes the first's train function and
+    buffers: no trace; each its own steps (1 to 8), as Keras reports them."""
+    keras.utils.set_random_seed(1)
+    model = Counting([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=4,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    histories, traces = [], []
+    for _ in range(2):
+        histories.append(ms.keras.StepHistory())
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[histories[-1]])
+        traces.append(Counting.traces)
+    assert traces[1] == traces[0] > 0  # traced in the first fit only
+
+    keras.utils.set_random_seed(1)  # the reference: one step per execution, Keras's logs
+    reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), steps_per_execution=1,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = Losses()
+    for _ in range(2):
+        reference.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[seen])
+    for i, history in enumerate(histories):
+        assert history.steps == list(range(1, 9))
+        assert history.history["loss"] == seen.losses[8 * i:8 * (i + 1)]
