@@ -109,6 +109,18 @@ def test_api_reference_has_every_public_name():
         assert target in directives or whole_module, f"docs/api/ has no '::: {target}' for ms.{name}"
 
 
+def test_every_public_callable_has_a_docstring():
+    """mkdocstrings leaves out an object without a docstring: its API entry would vanish."""
+    import multistep
+
+    modules = [m for m, where in multistep._NAMES.items() if where is None]
+    names = [(f"ms.{n}", getattr(multistep, n)) for n in multistep.__all__]
+    names += [(f"ms.{m}.{n}", getattr(getattr(multistep, m), n))
+              for m in modules for n in getattr(multistep, m).__all__]
+    missing = [name for name, value in names if callable(value) and not (value.__doc__ or "").strip()]
+    assert not missing, f"no docstring: {missing}"
+
+
 def test_cli_page_shows_every_subcommands_help():
     from multistep import cli
 
