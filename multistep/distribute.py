@@ -36,7 +36,9 @@ def unroll(strategy, loss_fn, optimizer, steps, *, inputs=None, reduce="mean", *
         ``experimental.MultiWorkerMirroredStrategy``). Call this in its cross-replica
         context (outside ``call_for_each_replica``), in or out of ``strategy.scope()``;
         create the variables under ``strategy.scope()`` (or in ``loss_fn``'s first call).
-      loss_fn, optimizer, steps: as ``ms.unroll``; ``loss_fn`` gets one replica's inputs.
+      loss_fn: as ``ms.unroll``'s; it gets one replica's inputs.
+      optimizer: as ``ms.unroll``'s.
+      steps: as ``ms.unroll``'s.
       inputs: None; or a distributed iterator
         (``strategy.make_dataset_iterator(dataset)``, its initializer run): step k of
         replica r takes replica r's part of the k-th ``get_next()``; or a nest of

@@ -143,7 +143,30 @@ class Difference:
 def compare(steps, single):
     """The first difference between each step's kernels (``of_steps`` of the fused build)
     and ``single`` (``of_steps(...)[1]`` of a single step), or None when every step ran
-    the same kernels under the same names. Steps in order, step 1 first."""
+    the same kernels under the same names. Steps in order, step 1 first.
+
+    Examples:
+      The kernels that 3 fused steps ran, step by step, against those of a single step
+      built the same way (what ``ms.verify(..., explain=True)`` does); which kernel a
+      ``MatMul`` runs as (``MatMul``, ``_MklMatMul``) depends on the CPU:
+
+      >>> import tensorflow as tf, multistep as ms
+      >>> def kernels_run(steps):
+      ...     with tf.Graph().as_default():
+      ...         w = tf.compat.v1.get_variable("w", initializer=[[1.0, 2.0]])
+      ...         x = tf.constant([[1.0], [2.0]])
+      ...         fused = ms.unroll(lambda: tf.reduce_sum(tf.matmul(x, w)),
+      ...                           tf.compat.v1.train.GradientDescentOptimizer(0.1), steps)
+      ...         with tf.compat.v1.Session() as sess:
+      ...             sess.run(tf.compat.v1.global_variables_initializer())
+      ...             _, nodes = ms.kernels.executed(sess, fused.train_op)
+      ...     return ms.kernels.of_steps(nodes)
+      >>> fused, single = kernels_run(3), kernels_run(1)
+      >>> sorted(fused), fused[2]["forward/MatMul"] == single[1]["forward/MatMul"]
+      ([1, 2, 3], True)
+      >>> print(ms.kernels.compare(fused, single[1]))
+      None
+    """
     for step in sorted(steps, key=lambda s: (s == LOOP, s if s != LOOP else 0)):
         kernels = steps[step]
         # By name: the partition graphs list a graph's nodes in an order that varies.

@@ -27,6 +27,16 @@ def write_graph(graph, logdir):
 
     With ``ms.unroll``'s scopes the graph folds into ``name/step_1 ... step_N``,
     each holding ``forward``, ``gradients``, ``transform`` and ``apply``.
+
+    Examples:
+      >>> import os, tempfile, tensorflow as tf, multistep as ms
+      >>> with tf.Graph().as_default() as graph:
+      ...     w = tf.compat.v1.get_variable("w", initializer=[1.0])
+      ...     fused = ms.unroll(lambda: tf.reduce_sum(w * w),
+      ...                       tf.compat.v1.train.GradientDescentOptimizer(0.1), 3)
+      >>> logdir = ms.summaries.write_graph(graph, tempfile.mkdtemp())
+      >>> [f.split(".")[0] for f in os.listdir(logdir)]
+      ['events']
     """
     with graph.as_default():
         writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)
@@ -88,6 +98,23 @@ def graph_summary(graph, name="multistep"):
     Returns ``(steps, edges)``: ``steps`` is a list of ``StepSummary(scope, ops,
     reads)`` with ``reads`` a dict variable -> reading ops; ``edges`` maps
     ``(from scope, to scope)`` to the number of control edges between them.
+
+    Examples:
+      >>> import tensorflow as tf, multistep as ms
+      >>> with tf.Graph().as_default() as graph:
+      ...     w = tf.compat.v1.get_variable("w", initializer=[1.0])
+      ...     fused = ms.unroll(lambda: tf.reduce_sum(w * w),
+      ...                       tf.compat.v1.train.GradientDescentOptimizer(0.1), 3)
+      >>> steps, edges = ms.summaries.graph_summary(graph)
+      >>> [s.scope for s in steps], sorted(edges)
+      (['step_1', 'step_2', 'step_3'], [('step_1', 'step_2'), ('step_2', 'step_3')])
+      >>> print(ms.summaries.format_graph_summary(steps, edges))  # doctest: +ELLIPSIS
+      step_1: ... ops (...)
+        reads w: ...
+      ...
+      control edges between steps:
+        step_1 -> step_2: ...
+        step_2 -> step_3: ...
     """
     # (The single step the copies copy, ``name/step/``, runs in no run: not counted.)
     pattern = re.compile(rf"^{re.escape(name)}/(step_\d+|loop)/")

@@ -919,7 +919,10 @@ def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=Non
     the model is left as it was.
 
     Args:
-      step_fn, steps, jit_compile, optimizer: as ``fuse``.
+      step_fn: as ``fuse``'s.
+      steps: as ``fuse``'s.
+      jit_compile: as ``fuse``'s.
+      optimizer: as ``fuse``'s.
       batches: a nest of tensors with leading dimension ``steps * calls`` (call c takes
         ``[c * steps, (c + 1) * steps)``), or a ``tf.data.Dataset`` of single batches
         (the first ``steps * calls`` elements are taken).

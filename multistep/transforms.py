@@ -124,7 +124,8 @@ def clip_by_global_norm(max_norm):
     Example:
       >>> import tensorflow as tf, multistep as ms
       >>> gvs = [(tf.constant([3.0]), None), (tf.constant([4.0]), None)]
-      >>> [g.numpy().astype(float).round(6).tolist() for g, _ in ms.clip_by_global_norm(1.0)(gvs, None)]
+      >>> clipped = ms.clip_by_global_norm(1.0)(gvs, None)
+      >>> [g.numpy().astype(float).round(6).tolist() for g, _ in clipped]
       [[0.6], [0.8]]
     """
     max_norm = _positive("max_norm", max_norm, "clip_by_global_norm")
@@ -171,7 +172,9 @@ def add_noise(stddev, *, mean=0.0, decay=0.0, seed):
     gradient gets noise on its touched rows only: the same rows of the draw a
     dense gradient of that variable would get.
 
-    Example (needs the global step ``t``):
+    The transform needs the global step ``t``: below, a constant 3.
+
+    Example:
       >>> import tensorflow as tf, multistep as ms
       >>> w = tf.Variable([0.0, 0.0], name="w")
       >>> noisy = ms.add_noise(0.1, seed=7)

@@ -275,12 +275,14 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         ``"skip"``: that step changes no weight and no slot, the global step
         still advances, and ``Unrolled.skipped_steps`` counts it (resource
         variables only). ``"ignore"``: apply it anyway.
-      gate_gradients, aggregation_method, colocate_gradients_with_ops, grad_loss:
-        ``minimize``'s own options, passed to ``optimizer.compute_gradients`` at
-        every step (the stale-forward check still applies). Set to anything
-        but their defaults, every step takes its gradients with
-        ``compute_gradients``, which walks all earlier steps: the build then
-        grows as N^2 in unrolled mode.
+      gate_gradients: ``minimize``'s own option, passed to
+        ``optimizer.compute_gradients`` at every step (the stale-forward check
+        still applies). Set to anything but its default, every step takes its
+        gradients with ``compute_gradients``, which walks all earlier steps: the
+        build then grows as N^2 in unrolled mode.
+      aggregation_method: likewise.
+      colocate_gradients_with_ops: likewise.
+      grad_loss: likewise.
       phases: with several phases, ``"chained"``: each phase reads the variables after
         the previous phase's apply (the single step that builds ``g_train`` under
         ``control_dependencies([d_train])``); ``"simultaneous"``: every phase's loss

@@ -1,0 +1,159 @@
+"""The documentation site (docs/, mkdocs.yml) and README.md: their code runs, their
+Errors page lists every refusal the library raises, their API reference names every
+public name, their Command line page shows every subcommand's help, and the site builds
+in strict mode."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import docs_pages  # noqa: E402  (tests/ is not a package)
+
+ROOT = docs_pages.ROOT
+
+# What a page's blocks must print: a check that they did what the page says they do.
+PRINTS = {
+    "README.md": ["10\n"],
+    "getting-started.md": ["(bitwise equal)"],
+    "guides/unroll.md": ["inner step 2 uses 'MatMul' (MatMul)"],
+    "guides/tf2-keras.md": ["(10,) [ 1  2  3  4  5  6  7  8  9 10]"],
+}
+
+
+@pytest.mark.parametrize("page", docs_pages.pages())
+def test_every_code_block_names_its_language(page):
+    found = docs_pages.blocks(docs_pages.read(page))
+    for block in found:
+        assert block.lang in docs_pages.LANGUAGES, (
+            f"{page}:{block.line}: a code block needs one of {docs_pages.LANGUAGES} after its "
+            f"```, got {block.lang!r}")
+        if block.lang == "python" and block.info:
+            assert docs_pages.NOT_RUN.match(block.info), (
+                f'{page}:{block.line}: a python block runs, or says title="Not run: why"; '
+                f"got {block.info!r}")
+    fences = len(re.findall(r"^ *```", docs_pages.read(page), re.M))
+    assert fences == 2 * len(found), f"{page}: a fence the block parser did not pair"
+
+
+@pytest.mark.parametrize("page", [p for p in docs_pages.pages()
+                                  if any(b.runs for b in docs_pages.blocks(docs_pages.read(p)))])
+def test_python_blocks_run(page, capsys):
+    """A page's python blocks run in order in one namespace, as a reader would paste them."""
+    namespace = {"__name__": "__docs__"}
+    for block in docs_pages.blocks(docs_pages.read(page)):
+        if block.runs:
+            exec(compile("\n" * (block.line) + block.code, page, "exec"), namespace)
+    out = capsys.readouterr().out
+    for text in PRINTS.get(page.removeprefix("docs/"), []):
+        assert text in out, f"{page} should print {text!r}; printed:\n{out[-2000:]}"
+
+
+def test_errors_page_lists_every_refusal():
+    lines = docs_pages.page_lines(docs_pages.read("docs/errors.md"))
+    found = docs_pages.refusals()
+    assert len(found) > 150  # the walk finds the library's raises (191 when this was written)
+    missing = [r for r in found if not docs_pages.documented(r, lines)]
+    assert not missing, ("docs/errors.md lacks a line for these refusals (class and the fixed "
+                         "text of the message on one line); add, under the module's heading:\n"
+                         + "\n".join(f"{r!r}\n    {r.entry()}" for r in missing))
+
+
+def test_the_refusal_walk_finds_a_new_raise_and_its_phrase(tmp_path, monkeypatch):
+    """The check above fails for an undocumented raise: a module with one, walked the same way."""
+    package = tmp_path / "multistep"
+    package.mkdir()
+    (package / "new.py").write_text(
+        "def f(x):\n"
+        "    if x < 0:\n"
+        "        raise ValueError(f'x must be >= 0 for the new thing, got {x!r}.')\n"
+        "    warnings.warn('the new thing is slow', RuntimeWarning)\n")
+    monkeypatch.setattr(docs_pages, "ROOT", str(tmp_path))
+    found = docs_pages.refusals()
+    assert [(r.kind, r.phrase) for r in found] == [
+        ("ValueError", "x must be >= 0 for the new thing, got"), ("RuntimeWarning", "the new thing is slow")]
+    page = docs_pages.page_lines("- **ValueError** (`new.py`): `` x must be >= 0, got … ``")
+    assert not any(docs_pages.documented(r, page) for r in found)
+    assert all(docs_pages.documented(r, docs_pages.page_lines(r.entry())) for r in found)
+
+
+def test_every_error_in_the_table_names_an_existing_test():
+    table = docs_pages.read("docs/errors.md").split("\n## ", 1)[0]
+    rows = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", table)
+    assert len(rows) >= 40
+    for path, name in rows:
+        with open(os.path.join(ROOT, path)) as f:
+            assert re.search(rf"^def {name}\(", f.read(), re.M), f"{path}::{name}"
+
+
+def _api_directives():
+    text = "".join(docs_pages.read(os.path.join("docs", "api", f))
+                   for f in sorted(os.listdir(os.path.join(ROOT, "docs", "api"))))
+    return set(re.findall(r"^::: (\S+)$", text, re.M))
+
+
+def test_api_reference_has_every_public_name():
+    import multistep
+
+    directives = _api_directives()
+    for name in multistep.__all__:
+        module = multistep._NAMES[name]
+        target = f"multistep.{name}" if module is None else f"multistep.{module}.{name}"
+        # a module's directive renders the names in its __all__
+        whole_module = module is not None and f"multistep.{module}" in directives and \
+            name in importlib.import_module(f"multistep.{module}").__all__
+        assert target in directives or whole_module, f"docs/api/ has no '::: {target}' for ms.{name}"
+
+
+def test_every_public_callable_has_a_docstring():
+    """mkdocstrings leaves out an object without a docstring: its API entry would vanish."""
+    import multistep
+
+    modules = [m for m, where in multistep._NAMES.items() if where is None]
+    names = [(f"ms.{n}", getattr(multistep, n)) for n in multistep.__all__]
+    names += [(f"ms.{m}.{n}", getattr(getattr(multistep, m), n))
+              for m in modules for n in getattr(multistep, m).__all__]
+    missing = [name for name, value in names if callable(value) and not (value.__doc__ or "").strip()]
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_cli_page_shows_every_subcommands_help():
+    from multistep import cli
+
+    parser = cli._parser()
+    commands = next(a.choices for a in parser._actions if a.choices and a.dest == "command")
+    markers = set(re.findall(r"^<!-- help: (multistep(?: [a-z]+)*) -->$",
+                             docs_pages.read("docs/cli.md"), re.M))
+    assert markers == {"multistep"} | {f"multistep {c}" for c in commands}
+
+
+def test_cli_help_hook_writes_the_real_help():
+    spec = importlib.util.spec_from_file_location("cli_help", os.path.join(ROOT, "docs", "hooks", "cli_help.py"))
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown("before\n<!-- help: multistep verify -->\nafter\n")
+    assert page.startswith("before\n```text\n$ multistep verify --help\nusage: multistep verify")
+    assert "--explain" in page and page.endswith("```\nafter\n")
+
+
+_GENERATOR = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m.split(".")[0]) is None for m in _GENERATOR),
+                    reason="the docs extra is not installed (pip install -e '.[docs]')")
+def test_site_builds_in_strict_mode(tmp_path):
+    """Broken links, missing anchors, API names that do not resolve and docstrings griffe
+    cannot parse are warnings, and --strict makes each one fail the build."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    with open(tmp_path / "site" / "api" / "compile" / "index.html", encoding="utf-8") as f:
+        html = f.read()
+    assert "fetches" in html and "feed_dict" in html  # ms.compile's docstring, rendered
