@@ -132,12 +132,19 @@ def refusals():
                     ast.unparse(call.func)[1:2].isupper():
                 continue
             enclosing = _enclosing(node, parents)
-            # The message: the first argument that is not an attribute (TensorFlow's errors,
-            # re-raised as ``type(error)(error.node_def, error.op, message)``, take it third).
-            message = next((a for a in call.args if not isinstance(a, ast.Attribute)), None)
+            # The message: the first argument that is not an attribute or None (TensorFlow's
+            # errors, ``type(error)(error.node_def, error.op, message)`` or ``(None, None,
+            # message)``, take it third).
+            message = next((a for a in call.args if not isinstance(a, ast.Attribute)
+                            and not (isinstance(a, ast.Constant) and a.value is None)), None)
             if isinstance(message, ast.Name) and enclosing is not None:  # message = ...; raise X(message)
                 message = next((n.value for n in ast.walk(enclosing) if isinstance(n, ast.Assign)
                                 and ast.unparse(n.targets[0]) == message.id), message)
+            if isinstance(message, ast.Call) and ast.unparse(message.func) == "str":
+                # str(finding): the message is another object's (a check's finding)
+                found.append(Refusal(os.path.relpath(path, ROOT), node.lineno, kind or "", "",
+                                     f"the message of {ast.unparse(message.args[0])}"))
+                continue
             template = _normal(_template(message)) if message is not None else "…"
             phrases = _literals(message) if message is not None else []
             if max(map(len, phrases), default=0) < MIN_PHRASE and len(template.replace("…", "")) >= MIN_PHRASE:
