@@ -16,6 +16,7 @@ length, and ``Compiled``, what a program's loop runs.
 import collections
 import dataclasses
 import numbers
+import re
 import warnings
 import weakref
 
@@ -29,7 +30,8 @@ from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_
                             template_of)
 from multistep.placement import PLACEHOLDERS, STATE_OWNERS, placement
 
-__all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "STATE_OWNERS", "compile",
+__all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "InputExhaustedError",
+           "STATE_OWNERS", "compile",
            "placement"]
 
 COMPILE_MODES = ("while_loop", "unrolled", "auto")
@@ -44,6 +46,39 @@ GRAPHDEF_LIMIT = 2 ** 31  # bytes: protobuf's limit on a serialized GraphDef
 
 class GraphTooLargeError(ValueError):
     """An unrolled graph would pass the 2 GB GraphDef limit."""
+
+
+class InputExhaustedError(tf.errors.OutOfRangeError):
+    """A ``tf.data`` input ran out in the middle of a fused run."""
+
+    def __init__(self, message, error):
+        super().__init__(error.node_def, error.op, message)
+
+
+def exhausted_message(program, session, error):
+    """What a run of ``program`` that ran out of input applied: the message of
+    ``InputExhaustedError`` (``ms.unroll``'s and ``ms.compile``'s)."""
+    # The op that ran out; make_callable's errors name it only in their message.
+    failed = getattr(error.op, "name", None) or error.message
+    where = re.search(rf"{re.escape(program.name)}/step_(\d+)/", failed)
+    length = program.steps if program._run_length is None else session.run(program._run_length.read)
+    if where:
+        applied = int(where.group(1)) - 1
+    elif program._run_length is not None and program._run_length.done is not None:
+        applied = session.run(program._run_length.done)  # the loop counts the steps it ended
+    else:
+        applied = None
+    if getattr(program, "_batches_first", False):  # ms.distribute.unroll over an iterator
+        done = (f"none of its {length} steps were applied: a run takes its {length} batches "
+                f"before its first step, fewer were left, and those it took are lost")
+    elif applied is not None:
+        done = f"the first {applied} of its {length} steps were applied"
+    else:
+        done = "the steps before the missing batch were applied"
+    if program.global_step is not None:
+        done += f"; the global step is now {session.run(program.global_step)}"
+    return (f"{program.name}: the input ran out during a run: {done}. Re-initialise or "
+            f"repeat the dataset, or make it a multiple of {length} batches long.")
 
 
 _PLAIN_SESSIONS = (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)
@@ -192,12 +227,19 @@ class Compiled:
         ``feed_dict`` or ``feeds`` as ``Compiled.feed_dict`` takes them. Without a feed,
         on a plain ``Session``, through a callable made once per session
         (``Session.make_callable``), as ``ms.Unrolled.run``; else ``session.run`` (a
-        ``MonitoredSession``'s hooks must see each run)."""
+        ``MonitoredSession``'s hooks must see each run).
+
+        If a ``tf.data`` input (or a queue) runs out in the middle of the run, the steps
+        before stay applied and ``InputExhaustedError`` says how many."""
         if not isinstance(session, _PLAIN_SESSIONS):
             _refuse_one_step_hooks(self, session)
-        if feed_dict or feeds is not None or not isinstance(session, _PLAIN_SESSIONS):
-            return session.run(self.values, self.feed_dict(feed_dict, feeds=feeds))
-        return callable_for(self._callables, session, self.values)[0]()
+        feed = self.feed_dict(feed_dict, feeds=feeds)
+        try:
+            if feed or not isinstance(session, _PLAIN_SESSIONS):
+                return session.run(self.values, feed)
+            return callable_for(self._callables, session, self.values)[0]()
+        except tf.errors.OutOfRangeError as error:
+            raise InputExhaustedError(exhausted_message(self, session, error), error) from error
 
     def set_steps_per_run(self, session, n):
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
@@ -437,8 +479,10 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
                 node.attr["_lower_using_switch_merge"].b = False
     with tf.name_scope("inputs"):
         inputs = {p.outputs[0]: per_step_input(p, label) for p in fed}
-    if mode == "while_loop" and run_length is None:
-        run_length = make_run_length(steps, count_done=False)
+    if mode == "while_loop" and run_length is None:  # (ms.compile's: count the steps done
+        reads = any(op.type.startswith(("IteratorGetNext", "QueueDequeue")) for op in copied)
+        run_length = make_run_length(steps, count_done=reads)  # where an input can run out)
+        done = run_length.done
     count = steps if mode == "unrolled" else run_length.read
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = {**prepared(inputs, count, label), **given}

@@ -26,9 +26,9 @@ import weakref
 import tensorflow as tf
 
 from multistep import auto, checks, lint
-from multistep.compile import (_PLAIN_SESSIONS, GraphTooLargeError, build, callable_for,
-                               check_graph_size, make_run_length, positive_int,
-                               set_steps_per_run)
+from multistep.compile import (_PLAIN_SESSIONS, GraphTooLargeError, InputExhaustedError,
+                               build, callable_for, check_graph_size, exhausted_message,
+                               make_run_length, positive_int, set_steps_per_run)
 from multistep import phases as phases_lib
 from multistep import step as step_lib
 from multistep.checks import RECORDS
@@ -119,7 +119,7 @@ class Unrolled:
                 return self._first_compiled_run(call)
             return call()
         except tf.errors.OutOfRangeError as error:
-            raise InputExhaustedError(self._exhausted_message(session, error), error) from error
+            raise InputExhaustedError(exhausted_message(self, session, error), error) from error
         except tf.errors.InvalidArgumentError as error:
             named = _nonfinite_named(self.name, error)
             if named is None:
@@ -150,35 +150,6 @@ class Unrolled:
         """
         set_steps_per_run(self, session, n)
 
-    def _exhausted_message(self, session, error):
-        # The op that ran out; make_callable's errors name it only in their message.
-        failed = getattr(error.op, "name", None) or error.message
-        where = re.search(rf"{re.escape(self.name)}/step_(\d+)/", failed)
-        length = self.steps if self._run_length is None else session.run(self._run_length.read)
-        if where:
-            applied = int(where.group(1)) - 1
-        elif self._run_length is not None and self._run_length.done is not None:
-            applied = session.run(self._run_length.done)  # the loop counts the steps it ended
-        else:
-            applied = None
-        if self._batches_first:  # ms.distribute.unroll over an iterator
-            done = (f"none of its {length} steps were applied: a run takes its {length} batches "
-                    f"before its first step, fewer were left, and those it took are lost")
-        elif applied is not None:
-            done = f"the first {applied} of its {length} steps were applied"
-        else:
-            done = "the steps before the missing batch were applied"
-        if self.global_step is not None:
-            done += f"; the global step is now {session.run(self.global_step)}"
-        return (f"{self.name}: the input ran out during a run: {done}. Re-initialise or "
-                f"repeat the dataset, or make it a multiple of {length} batches long.")
-
-
-class InputExhaustedError(tf.errors.OutOfRangeError):
-    """A ``tf.data`` input ran out in the middle of a fused run."""
-
-    def __init__(self, message, error):
-        super().__init__(error.node_def, error.op, message)
 
 
 NONFINITE = ("raise", "skip", "ignore")

@@ -213,6 +213,39 @@ def test_case09_no_loss_fetched_means_no_losses():
         assert ms.compile([train, accuracy, loss], steps=3).losses is not None
 
 
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case10_an_input_that_runs_out_mid_run_says_how_many_steps_were_applied(mode):
+    """7 batches, N = 3: the third run applies one step and runs out; the error is
+    ms.InputExhaustedError (an OutOfRangeError) counting the steps applied and the
+    global step, which the variables agree with. On main: TensorFlow's raw
+    OutOfRangeError, no count."""
+    def program():
+        data = tf.data.Dataset.from_tensor_slices(np.concatenate([XS, XS[:1]]))  # 7 batches
+        x = V1.data.make_one_shot_iterator(data).get_next()
+        w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        gs = V1.train.get_or_create_global_step()
+        return {"loss": loss, "train": V1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=gs)}
+
+    with tf.Graph().as_default():
+        fetches = program()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for _ in range(7):
+                sess.run(fetches)
+            want = _globals(sess)
+    with tf.Graph().as_default():
+        fused = ms.compile(program(), steps=3, mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            fused.run(sess), fused.run(sess)
+            with pytest.raises(ms.InputExhaustedError, match=r"the first 1 of its 3 steps were "
+                                                             r"applied; the global step is now 7"):
+                fused.run(sess)
+            _same(_globals(sess), want)
+
+
 def test_case11_a_local_variables_reset_keeps_the_run_length():
     """set_steps_per_run(2), then the per-epoch metric reset: runs stay 2 steps. On main
     the reset put them back to N."""
