@@ -170,8 +170,8 @@ class Compiled:
         step's end, as a single step's ``sess.run`` returns it. Fetching any of them
         runs the steps once.
       losses: float32 ``[N]``: the values of the fetch that is the loss (the one keyed
-        ``"loss"`` in a dict, else the only float scalar tensor fetched that a fetched
-        train op depends on), or None.
+        ``"loss"`` in a dict, else the only float scalar tensor fetched that a variable's
+        gradient flows from: an accuracy is no loss), or None.
       inputs: original placeholder -> the ``[steps, ...]`` placeholder that feeds it
         slice k at step k.
       carry, carry_in: with ``carry=``, lists: the carried tensors' values after the
@@ -201,7 +201,6 @@ class Compiled:
     _run_length: object = dataclasses.field(default=None, repr=False)
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
     _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
-    _carried_names: frozenset = dataclasses.field(default=frozenset(), repr=False)
     _roots: tuple = dataclasses.field(default=(), repr=False)  # the original fetches, flat
     _finals: dict = dataclasses.field(default_factory=dict, repr=False)  # carry=, as given
     _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
@@ -257,8 +256,8 @@ def _refuse_one_step_hooks(program, session):
             f"{program.name}: the session runs TensorFlow's StopAtStepHook, which counts "
             f"one step a sess.run (the global step read during the run, plus 1); a run of "
             f"{program.name} makes up to {program.steps} steps, so it would stop up to a run "
-            f"late. Use ms.hooks.StopAtStepHook({program.name.split('/')[-1] or 'fused'}, "
-            f"last_step=...) in its place: it shortens the last run to stop exactly.")
+            f"late. Use ms.hooks.StopAtStepHook(fused, last_step=...) in its place (fused: "
+            f"this program): it shortens the last run to stop exactly.")
 
 
 def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=False,  # noqa: A001
@@ -353,7 +352,6 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         _by_name={original.name: (original, per_step)
                   for original, per_step in built.inputs.items()},
         _copied=frozenset(op.name for op in built.copied),
-        _carried_names=frozenset(t.name for t in links),
         _roots=tuple(roots), _loss_index=loss)
 
 
@@ -402,7 +400,9 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     copy k of an op under a prefix is ``<its label>/step_k/<the rest of its name>``
     (loop mode ``.../loop/body/step/<the rest>``), of an op under none
     ``<label>/step_k/_outside/<its name>``; None: ``<label>/step_k/<its name>``.
-    ``random``: ``"refuse"`` or ``"warn"`` stateful random ops in unrolled mode.
+    ``random``: ``"refuse"`` (``ms.compile``'s: refuse stateful random ops in unrolled
+    mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
+    warns itself).
     ``before``: an op the steps start after; ``finish(end)``: the op that ends the run,
     given the end of its last step.
 
@@ -453,7 +453,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"instead) draws from a stream of its own, and the steps then differ from the "
             f"program as written. {lint.stateless_replacement(randoms)}",
             RuntimeWarning, stacklevel=lint.user_stacklevel())
-    convolutions = sorted({op.type for op in copied if op.type.startswith(("Conv", "DepthwiseConv"))})
+    convolutions = sorted({op.type for op in copied
+                           if op.type.startswith(("Conv", "DepthwiseConv"))})
     if xla and convolutions:
         warnings.warn(
             f"{label}: xla=True over convolutions ({', '.join(convolutions)}): on the CPU XLA "
@@ -472,7 +473,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     if mode == "unrolled" and steps > 1:
         check_graph_size(graph, set(copied).__contains__, steps, label)
     template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
-                           strip, label, skip={w.name for w in wires})._replace(at_end=state_fetches(roots, copied))
+                           strip, label, skip={w.name for w in wires})
+    template = template._replace(at_end=state_fetches(roots, copied))
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
         for node in template.graph_def.node:
             if node.op in _FUNCTIONAL_CONTROL_FLOW:

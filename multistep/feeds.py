@@ -123,16 +123,17 @@ def _shared(program, key, value):
     from it), or to a tensor the program does not read; refused for a tensor the step
     computes: it is copied, so a value fed to the original would reach no step."""
     name = _name(key)
-    if name is None or name in program._carried_names:  # noqa: SLF001
+    if name is None or name in {t.name for t in program._finals}:  # noqa: SLF001 (carried)
         return value
     if name.split(":")[0] not in program._copied:  # noqa: SLF001
         return value
     fix = ("Feed the step's placeholders (Compiled.inputs), or make it a placeholder (or a "
            "placeholder_with_default of a constant).")
     shape = np.shape(value)
+    copied = program._copied  # noqa: SLF001
     finals = [t for t in program._roots  # noqa: SLF001 (a fetched tensor fed back?)
-              if isinstance(t, tf.Tensor) and t.name != name and t.name.split(":")[0] in program._copied  # noqa: SLF001
-              and t.shape.is_compatible_with(shape)]
+              if isinstance(t, tf.Tensor) and t.name != name
+              and t.name.split(":")[0] in copied and t.shape.is_compatible_with(shape)]
     if finals:
         fix = (f"If your loop feeds back a value the step computes (an RNN's final state, "
                f"e.g. {finals[0].name!r}), carry it: ms.compile(fetches, steps, "

@@ -368,7 +368,7 @@ def _is_stateful_random_type(op_type):
             and {"seed", "seed2"} <= {a.name for a in op_def.attr})
 
 
-def _called(node_def):
+def called_functions(node_def):
     """The names of the functions a node calls (a cond's branches, a loop's body and
     condition, a call's function)."""
     for attr in node_def.attr.values():
@@ -388,7 +388,7 @@ def stateful_random_ops(ops):
             found.add(f"'{op.name}' ({op.type})")
         if "Dataset" in op.type or "Iterator" in op.type:
             continue
-        queue, seen = list(_called(op.node_def)), set()
+        queue, seen = list(called_functions(op.node_def)), set()
         while queue:
             name = queue.pop()
             function = None if name in seen else _outer_function(op.graph, name)
@@ -396,7 +396,7 @@ def stateful_random_ops(ops):
             for node in function.node_def if function is not None else ():
                 if _is_stateful_random_type(node.op):
                     found.add(f"'{node.name}' ({node.op}) in a function {op.name!r} calls")
-                queue.extend(_called(node))
+                queue.extend(called_functions(node))
     return sorted(found)
 
 
@@ -405,7 +405,7 @@ def stateless_replacement(found):
         return ("For nce_loss and sampled_softmax_loss, pass sampled_values= from a "
                 "stateless sampler keyed on the global step: "
                 "ms.sampling.log_uniform_candidates(labels, num_sampled, num_classes, "
-                "seed=tf.stack([seed, global_step])) (the README shows it).")
+                "seed=tf.stack([seed, global_step])) (the guide 'Building steps from a loss function' shows it).")
     return ("Use stateless ops keyed on the global step instead, e.g. "
             "tf.random.stateless_uniform(shape, seed=tf.stack([seed, global_step])).")
 

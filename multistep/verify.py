@@ -36,7 +36,7 @@ def session_config(base=None):
     steps name theirs differently from a single step's, so the sum can round
     differently. ``ms.unroll`` builds its steps so that the names sort alike; the one
     case measured where they still do not is loop mode with Adam on a weight shared by
-    three towers (optimizer slots 1e-8 apart): see the README's "Models" section.
+    three towers (optimizer slots 1e-8 apart): see the docs' "Models" guide (docs/guides/models.md).
 
     Example:
       >>> import tensorflow as tf, multistep as ms
@@ -535,13 +535,7 @@ def _pipeline_functions(graph):
     """The FunctionDefs that the graph's ``tf.data`` ops call (map, filter, interleave
     functions, a one-shot iterator's factory), and those they call, in the order found."""
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
-
-    def called(node_def):
-        for attr in node_def.attr.values():
-            if attr.HasField("func"):
-                yield attr.func.name
-            yield from (f.name for f in attr.list.func)
-
+    called = lint.called_functions
     queue = [name for op in graph.get_operations()
              if "Dataset" in op.type or "Iterator" in op.type for name in called(op.node_def)]
     found = {}

@@ -115,10 +115,19 @@ def _is_warn(call):
 def refusals():
     """Every raise and warning in multistep/*.py, each with its fixed phrase."""
     found = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "multistep", "*.py"))):
+    paths = sorted(glob.glob(os.path.join(ROOT, "multistep", "*.py")))
+    trees = {}
+    for path in paths:
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        functions = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            trees[path] = ast.parse(f.read())
+    # A message may be built by a function of another module (imported): the module's own
+    # functions first, then the package's.
+    package = {n.name: n for tree in trees.values() for n in ast.walk(tree)
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for path in paths:
+        tree = trees[path]
+        functions = {**package, **{n.name: n for n in ast.walk(tree)
+                                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}}
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):

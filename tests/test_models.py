@@ -93,7 +93,7 @@ def fused_steps(model, optimizer, steps, runs, mode, config=None, **kw):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_weights_read_several_times_are_bitwise(model, optimizer, mode):
-    # Under TensorFlow's default configuration; the one exception found (README, "Models"):
+    # Under TensorFlow's default configuration; the one exception found (docs/guides/models.md):
     # the triplet tower with Adam in loop mode, bitwise with ms.session_config().
     config = ms.session_config() if (model, optimizer, mode) == ("triplet", "Adam", "while_loop") else None
     want = single_steps(MODELS[model], OPTIMIZERS[optimizer], 6, config=config)

@@ -37,7 +37,7 @@ NO_REASSOCIATION = V1.ConfigProto()
 NO_REASSOCIATION.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
 NO_REASSOCIATION.graph_options.rewrite_options.arithmetic_optimization = (
     rewriter_config_pb2.RewriterConfig.OFF)
-# XLA rounds differently at every step (README, `xla`): it fuses element-wise chains (FMAs),
+# XLA rounds differently at every step (docs/guides/unroll.md, `xla`): it fuses element-wise chains (FMAs),
 # sums the reductions here (<= BATCH * 4 = 24 terms) in its own order (within 24u of the summed
 # magnitudes, u = 2^-24) and evaluates tanh/exp/sqrt with its own approximations: a few tens of
 # ulps per step from the same state. What that becomes after up to 16 steps depends on how the
