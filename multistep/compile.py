@@ -647,7 +647,8 @@ def _differentiable(tensor):
         if op.type in ("VarHandleOp", "VariableV2", "Variable"):
             return True
         try:
-            if ops_lib._gradient_registry.lookup(op.type) is None:  # noqa: SLF001 (NotDifferentiable)
+            gradient = ops_lib._gradient_registry.lookup(op.type)  # noqa: SLF001
+            if gradient is None:  # (registered NotDifferentiable)
                 continue
         except LookupError:  # no gradient registered
             if op.type not in ("ReadVariableOp", "Identity"):

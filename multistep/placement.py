@@ -38,7 +38,8 @@ PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
 # Ops that make a resource for the step's own use, live only while it runs, or look up
 # shared state by a handle string (a feedable iterator), or store a step's value in the
 # session (a session handle: a single step stores one each run): copied.
-STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "TensorArrayGrad", "StackV2",
+STEP_RESOURCES = frozenset({"TensorArrayV3", "TensorArrayV2", "TensorArray", "TensorArrayGrad",
+                            "StackV2",
                             "Stack", "TemporaryVariable", "IteratorFromStringHandle",
                             "IteratorFromStringHandleV2", "MultiDeviceIteratorFromStringHandle",
                             "GetSessionHandle", "GetSessionHandleV2"})

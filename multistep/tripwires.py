@@ -6,9 +6,11 @@ loop may still run them: a TensorFlow hook that fetches the original loss, an ev
 steps see (it takes a batch from the shared iterator, draws from a random op whose stream
 the compiled copy does not follow, applies an update of its own), the program no longer
 does what it did as written. ``guard`` puts a tripwire before each such original op: a
-``py_func`` that warns (``OriginalOpRanWarning``), once per compiled program, naming the op
-and what its run did. The compiled copies never run it, and ``ms.compile`` leaves it out of
-the steps it copies.
+``numpy_function`` that warns (``OriginalOpRanWarning``), once per compiled program,
+naming the op and what its run did. The compiled copies never run it, and
+``ms.compile`` leaves it out of the steps it copies. (An op inside a v1 cond or loop gets
+none: a tripwire outside would fire for a branch not taken, and cannot enter a loop's
+frame.)
 """
 
 import threading
@@ -71,7 +73,7 @@ def guard(copied, label):
 
         with graph.as_default(), tf.name_scope(f"{label}/{_SCOPE}/"), \
                 tf.control_dependencies(None):
-            wire = tf.compat.v1.py_func(fire, [], tf.bool, stateful=True, name="wire").op
+            wire = tf.numpy_function(fire, [], tf.bool, stateful=True, name="wire").op
         graph.add_to_collection(TRIPWIRES, wire)
         op._add_control_input(wire)  # noqa: SLF001 (the original op waits for its tripwire)
 

@@ -351,7 +351,8 @@ class _Program:
             self.fetch = (unrolled.train_op, unrolled.losses)
             if as_written:  # the original fetches, one step a sess.run
                 self.compiled_program = unrolled
-                self.fetch = (list(unrolled._roots), unrolled._roots[unrolled._loss_index],  # noqa: SLF001
+                roots = list(unrolled._roots)  # noqa: SLF001
+                self.fetch = (roots, roots[unrolled._loss_index],  # noqa: SLF001
                               list(unrolled._finals.values()))  # noqa: SLF001
             # carry= (an RNN's state): each run starts from what the run before carried
             # out, as the program's own loop feeds it; the first from the build's feed.
