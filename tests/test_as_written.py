@@ -10,6 +10,8 @@ import pytest
 import tensorflow as tf
 
 import multistep as ms
+from test_compile import _bitwise as _same  # (every variable, bit for bit)
+from test_compile import _state as _globals  # (the program's variables, not multistep's)
 from multistep.tripwires import OriginalOpRanWarning
 
 V1 = tf.compat.v1
@@ -17,17 +19,6 @@ N = 3
 _rng = np.random.RandomState(37)
 DATA_X = _rng.randn(40, 5).astype(np.float32)
 DATA_Y = _rng.randint(0, 3, size=40).astype(np.int32)
-
-
-def _globals(sess):
-    return {v.op.name: sess.run(v) for v in V1.global_variables()
-            if not v.op.name.startswith("multistep/")}
-
-
-def _same(a, b):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
 
 
 def _mnist_style():

@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import multistep as ms
+from test_compile import _bitwise as _same  # (every variable, bit for bit)
+from test_compile import _state as _globals  # (the program's variables, not multistep's)
 
 V1 = tf.compat.v1
 _rng = np.random.RandomState(36)
@@ -36,17 +38,6 @@ def _dense_program(dropout=None, ref=False):
     gs = V1.train.get_or_create_global_step()
     train = V1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=gs)
     return x, loss, train, gs
-
-
-def _globals(sess):
-    return {v.op.name: sess.run(v) for v in V1.global_variables()
-            if not v.op.name.startswith("multistep/")}
-
-
-def _same(a, b):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
 
 
 @pytest.mark.parametrize("where", ["cond", "function"])

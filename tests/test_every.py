@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import multistep as ms
+from test_compile import _state as _globals  # (the program's variables, not multistep's)
 
 V1 = tf.compat.v1
 XS = np.random.RandomState(8).randn(13, 4, 3).astype(np.float32)
@@ -22,11 +23,6 @@ def _dqn(every_k=None):
     if every_k is None:
         return x, loss, train, step, target.assign(online).op
     return x, loss, train, step, ms.every(every_k, lambda: [target.assign(online)], after=train)
-
-
-def _globals(sess):
-    return {v.op.name: sess.run(v) for v in V1.global_variables()
-            if not v.op.name.startswith("multistep/")}
 
 
 @pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
