@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from multistep import auto, lint, tripwires
+from multistep import kernels as kernels_lib
 from multistep import feeds as feeds_lib
 from multistep.feeds import per_step_input, per_step_placeholders, prepared
 from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
@@ -475,6 +476,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
                            strip, label, skip={w.name for w in wires})
     template = template._replace(at_end=state_fetches(roots, copied))
+    _warn_sum_order(copied, {p.name for p in fed}, template,
+                    f"{label}/step_1" if mode == "unrolled" else f"{label}/loop/body/step", label)
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
         for node in template.graph_def.node:
             if node.op in _FUNCTIONAL_CONTROL_FLOW:
@@ -551,10 +554,8 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
     """N copies, each after the one before; returns (a builder of the values, the last
     copy's end, each link's value after the last copy)."""
     del count, done, static  # (every run makes ``steps`` steps)
-    with tf.compat.v1.name_scope(f"{label}/inputs/"):
-        slices = [{original: batch[k] for original, batch in batches.items()}
-                  for k in range(steps)]
     prefixes = [f"{label}/step_{k + 1}" for k in range(steps)]
+    slices = [step_inputs(batches, k, template, prefixes[k]) for k in range(steps)]
     for k in range(steps):  # a link: step 1 reads its first value, step k the one before's
         for placeholder, (first, following) in links.items():
             slices[k][placeholder] = first if k == 0 else (
@@ -587,14 +588,13 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
     placeholders = list(links)
 
     def body(i, arrays, carried):
-        with tf.name_scope("inputs"):
-            slices = {original: tf.gather(batch, i) for original, batch in batches.items()}
-        slices.update(zip(placeholders, carried))
         # v1 control flow: the body is built under the loop's scope; v2: in a function
         # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
-        [copies], [end] = import_copies(
-            template, [(f"{scope}/body/step" if scope else "step", slices, i.op)], roots)
+        prefix = f"{scope}/body/step" if scope else "step"
+        slices = step_inputs(batches, i, template, prefix)
+        slices.update(zip(placeholders, carried))
+        [copies], [end] = import_copies(template, [(prefix, slices, i.op)], roots)
         fetched = fetched_in(copies, roots, lambda root: slices.get(root, tf.identity(root)))
         following = fetched_in(copies, [f for _, f in links.values()], lambda root: root)
         with tf.control_dependencies([end]):
@@ -620,6 +620,57 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         return [stacked.get(j) for j in range(len(roots))]
 
     return values, i.op, carried
+
+
+def step_inputs(batches, index, template, prefix):
+    """{placeholder: its value at step ``index`` (a slice of its ``[N, ...]`` batch)} for
+    the copy named ``prefix``, each slice named as its placeholder within the copy
+    (``<prefix>/<placeholder's name>/_step_input``). Grappler orders the inputs of a sum
+    of many (``AddN``) by name, and so its rounding: named so, a copy's inputs sort among
+    the copy's ops as the placeholders sort among the step's, and the copy sums in the
+    single step's order (``ms.verify`` found ``tf.add_n([x, tanh(x @ a), ...])`` 2e-7
+    apart when the slices were named ``inputs/GatherV2``)."""
+    out = {}
+    for original, batch in batches.items():
+        with tf.compat.v1.name_scope(template.rename(original.op.name, prefix) + "/"):
+            out[original] = tf.gather(batch, index, name=kernels_lib.STEP_INPUT)
+    return out
+
+
+def _warn_sum_order(copied, fed, template, prefix, label):
+    """Warns of a sum of three or more (``AddN``) of the step's values and a tensor from
+    outside the step whose copy sorts its inputs otherwise: TensorFlow's default session
+    config orders a sum's inputs by name before it runs (Grappler's common-subgraph
+    elimination), and a copy's names (``prefix``) sort otherwise against a shared name
+    than the step's did, so the copy would round otherwise (``step_inputs`` keeps the
+    step's own values and its per-step inputs in order)."""
+    copies = {op.name for op in copied}
+
+    def in_copy(reference):
+        name = reference.split(":")[0]
+        if name in copies:
+            return template.rename(reference, prefix)
+        if name in fed:
+            return f"{template.rename(name, prefix)}/{kernels_lib.STEP_INPUT}"
+        return reference
+
+    for op in copied:
+        inputs = [i for i in op.node_def.input if not i.startswith("^")]
+        if op.type != "AddN" or len(inputs) < 3:
+            continue
+        outside = [i for i in inputs if i.split(":")[0] not in copies | fed]
+        order = sorted(range(len(inputs)), key=inputs.__getitem__)
+        if outside and order != sorted(range(len(inputs)), key=lambda j: in_copy(inputs[j])):
+            warnings.warn(
+                f"{label}: the sum {op.name!r} (AddN) adds values of the step and "
+                f"{', '.join(map(repr, outside[:3]))} from outside it. Under TensorFlow's "
+                f"default session config Grappler orders a sum's inputs by name, and the "
+                f"copies' names sort otherwise against {outside[0]!r} than the step's do, so "
+                f"the steps' sums round otherwise than single steps' (by an ulp or so). Run "
+                f"the session with config=ms.session_config() (that reordering off: the same "
+                f"bits), or add the outside value outside the sum.",
+                RuntimeWarning, stacklevel=lint.user_stacklevel())
+            return
 
 
 def _loss(fetches, roots):

@@ -26,6 +26,9 @@ import tensorflow as tf
 __all__ = ["Kernel", "LOOP", "by_name", "compare", "count", "executed", "of_copies", "of_steps"]
 
 LOOP = "1..N"  # the key of loop mode's body (every step) in of_steps and of_copies
+# A per-step input's slice in a copy, ``<placeholder's name>/_step_input``: what a single
+# step is fed, so not one of its kernels.
+STEP_INPUT = "_step_input"
 _SCOPES = ("forward", "gradients", "transform", "record", "check", "apply", "after_apply")
 # Kernels that compute nothing a rounding could change: constants, data movement, control
 # flow frames, variables, their handles and reads, feeds, sends and receives between devices.
@@ -96,7 +99,8 @@ def of_copies(nodes, name="multistep"):
     steps = collections.defaultdict(dict)
     for node in nodes:
         match = pattern.match(node.name)
-        if match is not None and node.op not in _PLUMBING:
+        if (match is not None and node.op not in _PLUMBING
+                and not node.name.endswith("/" + STEP_INPUT)):
             step = int(match.group(1)) if match.group(1) else LOOP
             steps[step][_within(match.group(2))] = _kernel(node)
     return dict(steps)

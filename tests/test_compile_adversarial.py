@@ -138,6 +138,74 @@ def test_case05_xla_over_random_ops_warns():
             ms.compile([loss, train], steps=3, xla=True)
 
 
+def _sum_program(shared=False):
+    """tf.add_n([x, tanh(x @ a), sin(x @ b)]) (+ a shared input named to sort between
+    the copies' names and the step's), x fed per step."""
+    init = np.random.RandomState(7)
+    x = V1.placeholder(tf.float32, [None, 3], "x")
+    a = V1.get_variable("a", initializer=init.randn(3, 3).astype(np.float32))
+    b = V1.get_variable("b", initializer=init.randn(3, 3).astype(np.float32))
+    terms = [x, tf.tanh(x @ a), tf.sin(x @ b)]
+    if shared:  # "b_shared" sorts after the step's "Sin" and "Tanh", before "multistep/..."
+        terms.append(V1.placeholder_with_default(np.full([8, 3], 0.37, np.float32), [8, 3],
+                                                 "b_shared"))
+    loss = tf.reduce_mean(tf.square(tf.add_n(terms)))
+    return x, loss, V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+SUMS = np.random.RandomState(6).randn(6, 8, 3).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case06_a_sum_over_a_fed_input_is_bitwise_under_the_default_config(mode):
+    """Grappler (TensorFlow's default session config) orders an AddN's inputs by name:
+    each copy's per-step input is named as its placeholder within the copy, so the copy
+    sums in the single step's order. On main the copies' inputs were `inputs/GatherV2`
+    (`inputs/strided_slice`), which sort before `step/...`: 2.4e-7 apart in the losses
+    (measured), both modes. The kernels each copy ran are the single step's too."""
+    with tf.Graph().as_default():
+        x, loss, train = _sum_program()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            _, nodes = ms.kernels.executed(sess, [loss, train], {x: SUMS[0]})
+            single = ms.kernels.by_name(nodes)
+            want = [sess.run([loss, train], {x: d})[0] for d in SUMS[1:]]
+            want_state = _globals(sess)
+    with tf.Graph().as_default():
+        x, loss, train = _sum_program()
+        fused = ms.compile([loss, train], steps=3, mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            _, nodes = ms.kernels.executed(sess, fused.values, fused.feed_dict({x: SUMS[:3]}))
+            got = fused.run(sess, {x: SUMS[3:]})[0]
+            state = _globals(sess)
+    assert got.tobytes() == np.array(want[2:], np.float32).tobytes()
+    _same(state, want_state)
+    for step, copy in ms.kernels.of_copies(nodes, fused.name).items():
+        assert copy == single, (step, set(copy.items()) ^ set(single.items()))
+
+
+def test_case06_a_sum_with_a_value_from_outside_the_step_warns_with_the_fix():
+    """Where the names cannot sort alike (a sum of the step's values and a shared input
+    whose name falls between the copies' and the step's), the build says so, with the
+    fix; under ms.session_config() the run is bitwise. On main: no warning, 2.4e-7 off."""
+    with tf.Graph().as_default():
+        x, loss, train = _sum_program(shared=True)
+        with V1.Session(config=ms.session_config()) as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run([loss, train], {x: d})[0] for d in SUMS]
+    with tf.Graph().as_default():
+        x, loss, train = _sum_program(shared=True)
+        with pytest.warns(RuntimeWarning, match=r"the sum 'AddN' .* 'b_shared' from outside"
+                                                r".*config=ms.session_config\(\)"):
+            fused = ms.compile([loss, train], steps=3, feeds=[x])
+        with V1.Session(config=ms.session_config()) as sess:
+            sess.run(V1.global_variables_initializer())
+            got = np.concatenate([fused.run(sess, {x: SUMS[:3]})[0],
+                                  fused.run(sess, {x: SUMS[3:]})[0]])
+    assert got.tobytes() == np.array(want, np.float32).tobytes()
+
+
 @pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
 def test_case07_a_fetched_shared_placeholder_or_constant_has_one_value_a_step(mode):
     """One structure in both modes: [N] values, as N sess.run calls return N values. On
