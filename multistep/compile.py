@@ -167,6 +167,9 @@ class Compiled:
       values: the fetches' structure, each tensor fetch now its N steps' values
         (``[N, ...]``; loop mode ``[steps_per_run, ...]``), each op fetch ``train_op``;
         a fetched ``SparseTensor`` or ``IndexedSlices`` has each component so stacked.
+        A fetch with a dimension of unknown size (one whose shape can differ between
+        steps: a short final batch) is a ``RaggedTensor`` ``[N, (d1), ...]``; ``run``
+        returns it as ``[N, ...]`` where the steps' shapes agree, else one array a step.
         A fetch of state (a variable, an ``assign_add``'s ref) is its value at each
         step's end, as a single step's ``sess.run`` returns it. Fetching any of them
         runs the steps once.
@@ -205,6 +208,7 @@ class Compiled:
     _roots: tuple = dataclasses.field(default=(), repr=False)  # the original fetches, flat
     _finals: dict = dataclasses.field(default_factory=dict, repr=False)  # carry=, as given
     _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
+    _dynamic: dict = dataclasses.field(default_factory=dict, repr=False)  # id: static shape
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
@@ -222,7 +226,9 @@ class Compiled:
         return feeds_lib.translate(self, feed_dict, feeds)
 
     def run(self, session, feed_dict=None, *, feeds=None):
-        """Runs the steps once; returns the per-step values of the fetches (numpy).
+        """Runs the steps once; returns the per-step values of the fetches (numpy):
+        ``[N, ...]`` each, or for a fetch whose shape differed between the run's steps (a
+        short final batch) a list of N arrays, as N ``sess.run`` calls return them.
 
         ``feed_dict`` or ``feeds`` as ``Compiled.feed_dict`` takes them. Without a feed,
         on a plain ``Session``, through a callable made once per session
@@ -236,10 +242,17 @@ class Compiled:
         feed = self.feed_dict(feed_dict, feeds=feeds)
         try:
             if feed or not isinstance(session, _PLAIN_SESSIONS):
-                return session.run(self.values, feed)
-            return callable_for(self._callables, session, self.values)[0]()
+                values = session.run(self.values, feed)
+            else:
+                values = callable_for(self._callables, session, self.values)[0]()
         except tf.errors.OutOfRangeError as error:
             raise InputExhaustedError(exhausted_message(self, session, error), error) from error
+        if not self._dynamic:
+            return values
+        from tensorflow.python.util import nest  # (map_structure_up_to: not in tf.nest)
+        return nest.map_structure_up_to(
+            self.values, lambda fetch, value: per_step_values(value, self._dynamic[id(fetch)])
+            if id(fetch) in self._dynamic else value, self.values, values)
 
     def set_steps_per_run(self, session, n):
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
@@ -331,7 +344,8 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
             "Adam differed). Use mode='while_loop' with xla=True: bitwise, one body.")
     links = _links(graph, carry)
     with tf.name_scope(name) as scope:
-        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links)
+        built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
+                      dynamic=frozenset() if xla else _dynamic(fetches, roots))
     if built.program is not None:
         lint.warn_random_under_xla(built.program, name=built.label)
     tripwires.guard(built.copied, built.label)
@@ -353,7 +367,24 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         _by_name={original.name: (original, per_step)
                   for original, per_step in built.inputs.items()},
         _copied=frozenset(op.name for op in built.copied),
-        _roots=tuple(roots), _loss_index=loss)
+        _roots=tuple(roots), _loss_index=loss,
+        _dynamic={id(v): roots[j].shape.as_list() for j, v in enumerate(built.values)
+                  if isinstance(v, tf.RaggedTensor)})
+
+
+def _dynamic(fetches, roots):
+    """The indices of the fetched tensors (not a composite's components) whose shape can
+    differ from step to step: some dimension unknown (a batch dimension over a
+    ``tf.data`` input whose last batch is short, a ``tf.where``'s), the rank known."""
+    composite, j = set(), 0
+    for item in tf.nest.flatten(fetches):
+        size = len(tf.nest.flatten(item, expand_composites=True))
+        if isinstance(item, tf.__internal__.CompositeTensor):
+            composite.update(range(j, j + size))
+        j += size
+    return frozenset(j for j, r in enumerate(roots) if isinstance(r, tf.Tensor)
+                     and j not in composite and r.shape.rank is not None
+                     and not r.shape.is_fully_defined())
 
 
 def _links(graph, carry):
@@ -388,7 +419,8 @@ Built = collections.namedtuple("Built", "values train_op run_length inputs carri
 
 
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
-          done=None, xla=False, strip=None, random="refuse", before=None, finish=None):
+          done=None, xla=False, strip=None, random="refuse", before=None, finish=None,
+          dynamic=frozenset()):
     """The compiler proper, in the current name scope ``label``: ``roots`` (ops and
     tensors) run ``steps`` times, ``mode`` ``"unrolled"`` or ``"while_loop"``.
 
@@ -405,7 +437,9 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
     warns itself).
     ``before``: an op the steps start after; ``finish(end)``: the op that ends the run,
-    given the end of its last step.
+    given the end of its last step. ``dynamic``: the indices of tensor roots whose shape
+    can differ from step to step (a short final batch): their values are a ``RaggedTensor``
+    ``[N, (d1), ...]`` (not under XLA, where shapes are static).
 
     Returns a ``Built``: ``values`` (per root: the op's train op, or the tensor's ``[N,
     ...]`` values), ``carried`` (each link's value after the last step), ..."""
@@ -496,7 +530,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     with tf.control_dependencies([] if before is None else [before]):
         if not xla:
             values, end, carried = core(template, roots, batches, links, count, steps, label,
-                                        done)
+                                        done, dynamic=dynamic)
         else:
             program = tf.function(lambda: _program_body(core, template, roots, batches,
                                                         links, count, steps, label, done),
@@ -550,7 +584,8 @@ def _graph_element(graph, item, index):
                     f"or a tensor.")
 
 
-def _unrolled(template, roots, batches, links, count, steps, label, done, static=False):
+def _unrolled(template, roots, batches, links, count, steps, label, done, static=False,
+              dynamic=frozenset()):
     """N copies, each after the one before; returns (a builder of the values, the last
     copy's end, each link's value after the last copy)."""
     del count, done, static  # (every run makes ``steps`` steps)
@@ -572,6 +607,11 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
         for j, root in enumerate(roots):
             if isinstance(root, tf.Operation):
                 out.append(None)
+            elif j in dynamic:
+                out.append(_ragged(
+                    tf.concat([tf.reshape(step[j], [-1]) for step in per_step], 0),
+                    tf.stack([_shape(step[j]) for step in per_step]),
+                    f"values_{j}"))
             else:  # (a shared placeholder or constant fetched: its value at every step)
                 out.append(tf.stack([step[j] for step in per_step], name=f"values_{j}"))
         return out
@@ -579,7 +619,8 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
     return values, ends[-1], carried
 
 
-def _while_loop(template, roots, batches, links, count, steps, label, done, static=False):
+def _while_loop(template, roots, batches, links, count, steps, label, done, static=False,
+                dynamic=frozenset()):
     """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
     builder of the values, the loop's end, each link's value after the last step).
     ``static``: the per-step values in arrays of ``steps`` entries, ``count`` of them
@@ -600,12 +641,11 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         with tf.control_dependencies([end]):
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
-                written = [array.write(i, fetched[j]) for j, array in zip(tensors, arrays)]
+                written = [_write(array, i, fetched[j]) for j, array in zip(tensors, arrays)]
                 return [i + 1, written, [tf.identity(f) for f in following]]
 
     size = steps if static else count
-    arrays = [tf.TensorArray(roots[j].dtype.base_dtype, size=size, element_shape=roots[j].shape)
-              for j in tensors]
+    arrays = [_array(roots[j], size, j in dynamic) for j in tensors]
     first = [first for first, _ in links.values()]
     start = [] if done is None else [done.assign(0, read_value=False)]
     with tf.control_dependencies(start):
@@ -615,8 +655,10 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         parallel_iterations=1, maximum_iterations=steps, name="loop")
 
     def values():  # built after the train op: fetching one runs the steps
-        stacked = {j: tf.identity(array.stack()[:i] if static else array.stack(),
-                                  name=f"values_{j}") for j, array in zip(tensors, arrays)}
+        stacked = {j: _ragged(array[0].concat(), array[1].stack(), f"values_{j}")
+                   if isinstance(array, tuple) else
+                   tf.identity(array.stack()[:i] if static else array.stack(), name=f"values_{j}")
+                   for j, array in zip(tensors, arrays)}
         return [stacked.get(j) for j in range(len(roots))]
 
     return values, i.op, carried
@@ -671,6 +713,60 @@ def _warn_sum_order(copied, fed, template, prefix, label):
                 f"bits), or add the outside value outside the sum.",
                 RuntimeWarning, stacklevel=lint.user_stacklevel())
             return
+
+
+def _array(root, size, dynamic):
+    """Where loop mode keeps a fetch's per-step values: a TensorArray of ``size``; for a
+    fetch whose shape can vary from step to step, (its values flattened, their shapes)."""
+    dtype = root.dtype.base_dtype
+    if not dynamic:
+        return tf.TensorArray(dtype, size=size, element_shape=root.shape)
+    return (tf.TensorArray(dtype, size=size, infer_shape=False, element_shape=[None]),
+            tf.TensorArray(tf.int64, size=size, element_shape=[root.shape.rank]))
+
+
+def _write(array, index, value):
+    if isinstance(array, tuple):
+        return (array[0].write(index, tf.reshape(value, [-1])),
+                array[1].write(index, _shape(value)))
+    return array.write(index, value)
+
+
+def _shape(value):
+    # int64 through a Cast: a Shape op's output written to a loop's TensorArray fails
+    # TensorFlow's type inference (a logged error, harmless, that reads as a broken graph).
+    return tf.cast(tf.shape(value), tf.int64)
+
+
+def _ragged(flat, shapes, name):
+    """The steps' values of a fetch whose shape varies, ``[N, (d1), ..., (dr)]``, from
+    their elements in order (``flat``) and each step's shape (``shapes``, ``[N, r]``):
+    level l of step k has d1 * ... * dl rows, each of its length d(l+1)."""
+    with tf.name_scope(name):
+        lengths, rows = [], tf.ones_like(shapes[:, 0])
+        for d in range(shapes.shape[1]):
+            lengths.append(tf.repeat(shapes[:, d], rows))
+            rows = rows * shapes[:, d]
+        return tf.RaggedTensor.from_nested_row_lengths(flat, lengths, validate=False)
+
+
+def per_step_values(value, shape):
+    """The numpy values of a ``_ragged`` fetch as ``sess.run`` gave them (a
+    ``RaggedTensorValue``): one array a step, of that step's shape (``shape``: the
+    fetch's static shape, for the dimensions after an empty one); stacked into one
+    ``[N, ...]`` array where every step's shape is the same, as for any other fetch."""
+    splits = [np.asarray(s) for s in value.nested_row_splits]
+    flat = np.asarray(value.flat_values)
+    steps = []
+    for k in range(len(splits[0]) - 1):
+        lo, hi, dims = k, k + 1, []
+        for level, split in enumerate(splits):
+            dims.append(int(split[lo + 1] - split[lo]) if hi > lo else shape[level] or 0)
+            lo, hi = split[lo], split[hi]
+        steps.append(flat[lo:hi].reshape(dims))
+    if len({a.shape for a in steps}) == 1:
+        return np.stack(steps)
+    return steps
 
 
 def _loss(fetches, roots):

@@ -310,6 +310,44 @@ def test_case11_a_local_variables_reset_keeps_the_run_length():
             assert len(fused.run(sess, {x: XS[:2]})[0]) == 2
 
 
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_case12_a_fetch_whose_shape_varies_between_steps_is_one_array_a_step(mode):
+    """batch(4) over 10 examples, 3 steps a run: the last batch has 2 rows, and a
+    per-example fetch (argmax, the logits) changes shape. Each step's value is returned,
+    as 3 sess.run calls return them (a list where the shapes differ), bitwise with single
+    steps. On main all 3 steps were applied, then `Incompatible shapes during merge`
+    (loop) / `Shapes of all inputs must match` (unrolled), and every value was lost."""
+    data = np.random.RandomState(12).randn(10, 3).astype(np.float32)
+
+    def program():
+        dataset = tf.data.Dataset.from_tensor_slices(data).batch(4)
+        x = V1.data.make_one_shot_iterator(dataset).get_next()
+        w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32))
+        logits = x @ w
+        loss = tf.reduce_mean(tf.square(logits - 1.0))
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return [loss, tf.argmax(logits, 1), logits, train]
+
+    with tf.Graph().as_default():
+        fetches = program()
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run(fetches) for _ in range(3)]
+            want_state = _globals(sess)
+    with tf.Graph().as_default():
+        fused = ms.compile(program(), steps=3, mode=mode)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            losses, predicted, logits, _ = fused.run(sess)
+            state = _globals(sess)
+    assert losses.tobytes() == np.array([w[0] for w in want], np.float32).tobytes()
+    assert isinstance(predicted, list) and [p.shape for p in predicted] == [(4,), (4,), (2,)]
+    for k in range(3):
+        assert predicted[k].tobytes() == want[k][1].tobytes()
+        assert logits[k].tobytes() == want[k][2].tobytes()
+    _same(state, want_state)
+
+
 def test_case13_hooks_on_a_program_without_a_loss_say_what_to_fetch():
     """A GAN's {"d_loss", "g_loss", "train"}: refused at construction with the fix. On
     main: TypeError "Argument 'fetch' = None" at the first run."""
