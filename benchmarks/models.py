@@ -6,7 +6,10 @@ Models (TF1 graph mode, Adam, full batch held in the graph):
 - `lstm`: one LSTM layer of 64 over 16 time steps (written with tf.matmul: no tf-keras),
   batch 32, 16 features, 10 classes on the last state;
 - `bn_mlp`: 2 hidden layers of 256 with batch normalisation (moving mean and variance
-  updated through UPDATE_OPS, as a single step runs them), batch 128.
+  updated through UPDATE_OPS, as a single step runs them), batch 128;
+- `convnet`: the TF1 MNIST tutorial's shape, smaller: two 5x5 convolutions (16, 32
+  channels) each with ReLU and 2x2 max pooling, a dense layer of 128, batch 32 of
+  28x28x1 (oneDNN's convolution and pooling kernels: loop mode must run the same).
 
 Methods, each run through `make_callable`, interleaved round by round in one process:
 - `single`: the canonical single step (`minimize` under UPDATE_OPS), N calls;
@@ -117,7 +120,26 @@ def bn_mlp():
     return loss_fn
 
 
-MODELS = {"mlp": mlp, "autoencoder": autoencoder, "lstm": lstm, "bn_mlp": bn_mlp}
+def convnet():
+    x = _rng.rand(32, 28, 28, 1).astype(np.float32)
+    y = _rng.randint(0, 10, 32).astype(np.int32)
+
+    def conv(h, channels, name):
+        w = V1.get_variable(f"{name}/kernel", [5, 5, h.shape[-1], channels],
+                            initializer=V1.glorot_uniform_initializer(seed=3))
+        b = V1.get_variable(f"{name}/bias", [channels], initializer=V1.zeros_initializer())
+        h = tf.nn.relu(tf.nn.conv2d(h, w, strides=1, padding="SAME") + b)
+        return tf.nn.max_pool2d(h, 2, 2, padding="SAME")
+
+    def loss_fn():
+        h = conv(conv(x, 16, "conv1"), 32, "conv2")
+        h = _dense(tf.reshape(h, [32, 7 * 7 * 32]), 128, "dense", tf.nn.relu)
+        return _xent(_dense(h, 10, "out"), y)
+    return loss_fn
+
+
+MODELS = {"mlp": mlp, "autoencoder": autoencoder, "lstm": lstm, "bn_mlp": bn_mlp,
+          "convnet": convnet}
 
 
 def _single_step(loss_fn):
@@ -192,6 +214,10 @@ def main():
             best = min(fused, key=us.get) if fused else None
             ratio = (f"   {us['single'] / us[best]:.2f}x ({best}: {modes[best]})"
                      if best and "single" in us else "")
+            if "single" in us and "compile loop" in us:  # ms.compile's default, paired
+                paired = statistics.median(
+                    s / c for s, c in zip(samples["single"], samples["compile loop"]))
+                ratio += f"; compile loop {paired:.2f}x paired"
             if "single" in us and "ms.unroll auto" in us:  # round by round: the pairs ran
                 paired = statistics.median(  # back to back, so the machine's drift cancels
                     s / a for s, a in zip(samples["single"], samples["ms.unroll auto"]))

@@ -13,6 +13,7 @@ import types
 _NAMES = {
     "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
     "unroll": "unroll", "phase": "phases", "Compiled": "compile", "compile": "compile",
+    "StepFailedError": "compile",
     "every": "every",
     "Report": "verify", "session_config": "verify", "verify": "verify",
     "RuleOptimizer": "rules",

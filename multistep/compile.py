@@ -32,11 +32,11 @@ from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_
 from multistep.placement import PLACEHOLDERS, STATE_OWNERS, placement
 
 __all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "InputExhaustedError",
-           "STATE_OWNERS", "compile",
-           "placement"]
+           "STATE_OWNERS", "StepFailedError", "compile", "placement"]
 
 COMPILE_MODES = ("while_loop", "unrolled", "auto")
 
+_CHECKS = frozenset({"Assert", "CheckNumerics", "CheckNumericsV2"})  # may fail at any step
 _FUNCTIONAL_CONTROL_FLOW = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
                                       "StatelessCase"})
 
@@ -50,10 +50,34 @@ class GraphTooLargeError(ValueError):
 
 
 class InputExhaustedError(tf.errors.OutOfRangeError):
-    """A ``tf.data`` input ran out in the middle of a fused run."""
+    """A ``tf.data`` input ran out in the middle of a fused run.
 
-    def __init__(self, message, error):
+    ``values``: the values of the steps the run applied before, as ``run`` returns a
+    run's (``[k, ...]`` for k steps applied; None for a fetch whose values are not kept),
+    where the program keeps them (``ms.compile``'s loop mode); else None."""
+
+    def __init__(self, message, error, values=None):
         super().__init__(error.node_def, error.op, message)
+        self.values = values
+
+
+class StepFailedError(tf.errors.InvalidArgumentError):
+    """A check in the step (``tf.debugging.Assert``, ``check_numerics``) failed at some
+    step of a compiled run: the steps before it stay applied. The message is
+    TensorFlow's, then how many steps were applied; ``values`` as
+    ``InputExhaustedError``'s."""
+
+    def __init__(self, message, error, values=None):
+        super().__init__(error.node_def, error.op, message)
+        self.values = values
+
+
+def failed_message(program, session, error, values):
+    """``StepFailedError``'s message: TensorFlow's, then the steps the run applied."""
+    applied, length = session.run([program._run_length.done, program._run_length.read])
+    return (f"{error.message}\n{program.name}: the run failed at its step {applied + 1}: the "
+            f"first {applied} of its {length} steps were applied"
+            + ("" if values is None else " (their values: this error's .values)") + ".")
 
 
 def exhausted_message(program, session, error):
@@ -125,8 +149,9 @@ def make_run_length(steps, *, count_done):
     the local int32 variable ``steps_per_run`` (initial value ``steps``), a feed and an
     assign op that set it, and what the loop reads: the variable, or ``steps`` while it
     is uninitialised (a session that ran only global_variables_initializer). With
-    ``count_done`` (a tf.data input), also a local variable the loop sets to the steps
-    ended so far in a run, for InputExhaustedError's message."""
+    ``count_done`` (a tf.data input, a queue, a check that can fail at any step), also a
+    local variable the loop sets to the steps ended so far in a run, for the message of
+    the error that stops a run midway."""
     local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
     variable = tf.compat.v1.Variable(steps, dtype=tf.int32, trainable=False, use_resource=True,
                                      collections=[], name="steps_per_run")
@@ -209,6 +234,7 @@ class Compiled:
     _finals: dict = dataclasses.field(default_factory=dict, repr=False)  # carry=, as given
     _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
     _dynamic: dict = dataclasses.field(default_factory=dict, repr=False)  # id: static shape
+    _partial: dict = dataclasses.field(default_factory=dict, repr=False)  # id: steps' values
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
@@ -236,7 +262,12 @@ class Compiled:
         ``MonitoredSession``'s hooks must see each run).
 
         If a ``tf.data`` input (or a queue) runs out in the middle of the run, the steps
-        before stay applied and ``InputExhaustedError`` says how many."""
+        before stay applied and ``InputExhaustedError`` says how many (and, in loop mode,
+        holds their values: ``error.values``); a check that fails at some step of the
+        loop (an ``Assert``, a ``check_numerics``) raises ``StepFailedError``, saying so
+        too. In a
+        ``MonitoredSession`` the error is TensorFlow's, unchanged (it ends training cleanly
+        on an ``OutOfRangeError``): ``ms.hooks.InputExhaustedHook`` reports the run."""
         if not isinstance(session, _PLAIN_SESSIONS):
             _refuse_one_step_hooks(self, session)
         feed = self.feed_dict(feed_dict, feeds=feeds)
@@ -245,8 +276,17 @@ class Compiled:
                 values = session.run(self.values, feed)
             else:
                 values = callable_for(self._callables, session, self.values)[0]()
-        except tf.errors.OutOfRangeError as error:
-            raise InputExhaustedError(exhausted_message(self, session, error), error) from error
+        except (tf.errors.OutOfRangeError, tf.errors.InvalidArgumentError) as error:
+            if not isinstance(session, _PLAIN_SESSIONS):  # a MonitoredSession ends cleanly on
+                raise  # TensorFlow's own OutOfRangeError: ms.hooks.InputExhaustedHook reports
+            if isinstance(error, tf.errors.OutOfRangeError):
+                raise InputExhaustedError(exhausted_message(self, session, error), error,
+                                          self._applied(session)) from error
+            if not self._in_loop_body(error):
+                raise  # (before the steps: a feed; unrolled mode: the op's name says the step)
+            values = self._applied(session)
+            raise StepFailedError(failed_message(self, session, error, values), error,
+                                  values) from error
         if not self._dynamic:
             return values
         from tensorflow.python.util import nest  # (map_structure_up_to: not in tf.nest)
@@ -258,6 +298,25 @@ class Compiled:
         """From the next run on, a run makes ``n`` steps (``1 <= n <= steps``); loop
         mode only (as ``ms.Unrolled.set_steps_per_run``)."""
         set_steps_per_run(self, session, n)
+
+    def _in_loop_body(self, error):
+        """Whether ``error`` came from a step of this program's loop, which counts them."""
+        if self._run_length is None or self._run_length.done is None:
+            return False
+        label = re.escape(self.name)
+        return re.search(rf"{label}/loop/body/|{label.replace('/', '_')}_loop_body",
+                         error.message) is not None
+
+    def _applied(self, session):
+        """The values of the steps the last run ended (all of them, or those before the
+        step that failed), as ``run`` returns a run's; None where the program keeps none
+        (unrolled mode, XLA, a step that cannot stop midway)."""
+        if not self._partial or self._run_length.done is None:
+            return None
+        applied, kept = session.run([self._run_length.done, self._partial])
+        return tf.nest.map_structure(
+            lambda fetch: kept[id(fetch)][:applied] if id(fetch) in kept else None,
+            self.values)
 
 
 def _refuse_one_step_hooks(program, session):
@@ -369,7 +428,8 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         _copied=frozenset(op.name for op in built.copied),
         _roots=tuple(roots), _loss_index=loss,
         _dynamic={id(v): roots[j].shape.as_list() for j, v in enumerate(built.values)
-                  if isinstance(v, tf.RaggedTensor)})
+                  if isinstance(v, tf.RaggedTensor)},
+        _partial={id(built.values[j]): read for j, read in (built.partial or {}).items()})
 
 
 def _dynamic(fetches, roots):
@@ -415,7 +475,7 @@ def _links(graph, carry):
 
 
 Built = collections.namedtuple("Built", "values train_op run_length inputs carried copied label "
-                                        "program")
+                                        "program partial")
 
 
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
@@ -440,6 +500,10 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     given the end of its last step. ``dynamic``: the indices of tensor roots whose shape
     can differ from step to step (a short final batch): their values are a ``RaggedTensor``
     ``[N, (d1), ...]`` (not under XLA, where shapes are static).
+
+    ``Built.partial``: in loop mode with ``done``, {index of a tensor root of static
+    shape: a read of the ``[steps, ...]`` variable each step writes its value into
+    before it counts as done}: the values of the steps a failed run applied.
 
     Returns a ``Built``: ``values`` (per root: the op's train op, or the tensor's ``[N,
     ...]`` values), ``carried`` (each link's value after the last step), ..."""
@@ -519,9 +583,11 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     with tf.name_scope("inputs"):
         inputs = {p.outputs[0]: per_step_input(p, label) for p in fed}
     if mode == "while_loop" and run_length is None:  # (ms.compile's: count the steps done
-        reads = any(op.type.startswith(("IteratorGetNext", "QueueDequeue")) for op in copied)
-        run_length = make_run_length(steps, count_done=reads)  # where an input can run out)
+        can_fail = any(op.type.startswith(("IteratorGetNext", "QueueDequeue"))  # where a run
+                       or not xla and op.type in _CHECKS for op in copied)  # can stop midway)
+        run_length = make_run_length(steps, count_done=can_fail)
         done = run_length.done
+    partial = {} if mode == "while_loop" and done is not None and not xla else None
     count = steps if mode == "unrolled" else run_length.read
     with tf.compat.v1.name_scope(f"{label}/inputs/"):
         batches = {**prepared(inputs, count, label), **given}
@@ -530,7 +596,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     with tf.control_dependencies([] if before is None else [before]):
         if not xla:
             values, end, carried = core(template, roots, batches, links, count, steps, label,
-                                        done, dynamic=dynamic)
+                                        done, dynamic=dynamic, partial=partial)
         else:
             program = tf.function(lambda: _program_body(core, template, roots, batches,
                                                         links, count, steps, label, done),
@@ -558,7 +624,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     with tf.control_dependencies([train_op]):
         values = values()
     outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
-    return Built(outputs, train_op, run_length, inputs, carried, copied, label, program)
+    return Built(outputs, train_op, run_length, inputs, carried, copied, label, program,
+                 partial)
 
 
 def _program_body(core, template, roots, batches, links, count, steps, label, done):
@@ -585,10 +652,10 @@ def _graph_element(graph, item, index):
 
 
 def _unrolled(template, roots, batches, links, count, steps, label, done, static=False,
-              dynamic=frozenset()):
+              dynamic=frozenset(), partial=None):
     """N copies, each after the one before; returns (a builder of the values, the last
     copy's end, each link's value after the last copy)."""
-    del count, done, static  # (every run makes ``steps`` steps)
+    del count, done, static, partial  # (every run makes ``steps`` steps)
     prefixes = [f"{label}/step_{k + 1}" for k in range(steps)]
     slices = [step_inputs(batches, k, template, prefixes[k]) for k in range(steps)]
     for k in range(steps):  # a link: step 1 reads its first value, step k the one before's
@@ -620,12 +687,19 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
 
 
 def _while_loop(template, roots, batches, links, count, steps, label, done, static=False,
-                dynamic=frozenset()):
+                dynamic=frozenset(), partial=None):
     """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
     builder of the values, the loop's end, each link's value after the last step).
     ``static``: the per-step values in arrays of ``steps`` entries, ``count`` of them
-    taken after the loop (what XLA compiles); else arrays of ``count`` entries."""
+    taken after the loop (what XLA compiles); else arrays of ``count`` entries.
+    ``partial``: a dict to fill with ``build``'s ``Built.partial``, or None."""
     tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
+    kept = {} if partial is None else {
+        j: tf.compat.v1.Variable(tf.zeros([steps] + roots[j].shape.as_list(),
+                                          roots[j].dtype.base_dtype),
+                                 trainable=False, use_resource=True, collections=[],
+                                 name=f"applied_{j}")
+        for j in tensors if j not in dynamic and roots[j].shape.is_fully_defined()}
     placeholders = list(links)
 
     def body(i, arrays, carried):
@@ -639,6 +713,10 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         fetched = fetched_in(copies, roots, lambda root: slices.get(root, tf.identity(root)))
         following = fetched_in(copies, [f for _, f in links.values()], lambda root: root)
         with tf.control_dependencies([end]):
+            kept_now = [tf.raw_ops.ResourceStridedSliceAssign(
+                ref=kept[j].handle, begin=tf.reshape(i, [1]), end=tf.reshape(i + 1, [1]),
+                strides=[1], value=fetched[j], shrink_axis_mask=1) for j in kept]
+        with tf.control_dependencies([end] + kept_now):  # (done counts what is kept)
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
                 written = [_write(array, i, fetched[j]) for j, array in zip(tensors, arrays)]
@@ -648,11 +726,15 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
     arrays = [_array(roots[j], size, j in dynamic) for j in tensors]
     first = [first for first, _ in links.values()]
     start = [] if done is None else [done.assign(0, read_value=False)]
+    start += [v.assign(v.initial_value, read_value=False)  # (never initialised: each run
+              for v in kept.values()]  # sets it first)
     with tf.control_dependencies(start):
         zero = tf.identity(0) if start else tf.constant(0)
     i, arrays, carried = tf.while_loop(
         lambda i, *_: i < count, body, [zero, arrays, first],
         parallel_iterations=1, maximum_iterations=steps, name="loop")
+    if partial is not None:
+        partial.update((j, variable.value()) for j, variable in kept.items())
 
     def values():  # built after the train op: fetching one runs the steps
         stacked = {j: _ragged(array[0].concat(), array[1].stack(), f"values_{j}")

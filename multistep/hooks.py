@@ -528,7 +528,9 @@ class InputExhaustedHook(V1.train.SessionRunHook):
     ``end()`` this hook logs (WARNING) and keeps in ``message`` where training
     stopped, e.g. "multistep: the input ran out during a run: the first 2 of its 4
     steps were applied; the global step is now 10." ``steps_applied`` holds the 2.
-    Both stay None when no run was cut short.
+    Both stay None when no run was cut short. ``values``: the applied steps' values
+    of that run, as ``fused.run`` returns a run's, where the program keeps them
+    (``ms.compile``'s loop mode); else None.
     """
 
     def __init__(self, unrolled):
@@ -537,6 +539,7 @@ class InputExhaustedHook(V1.train.SessionRunHook):
         self._pending = None  # the global step before a run that has not returned
         self.message = None
         self.steps_applied = None
+        self.values = None
 
     def begin(self):
         self._runs.begin()
@@ -568,6 +571,8 @@ class InputExhaustedHook(V1.train.SessionRunHook):
         self.message = (f"{unrolled.name}: the input ran out during a run: the first "
                         f"{self.steps_applied} of its {length} steps were applied; the global "
                         f"step is now {now}.")
+        applied = getattr(unrolled, "_applied", None)  # (ms.compile's loop mode keeps them)
+        self.values = None if applied is None else applied(session)
         logging.warning("%s", self.message)
 
 

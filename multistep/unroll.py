@@ -96,6 +96,7 @@ class Unrolled:
     carry: object = None
     carry_in: object = None
     _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
+    _kept_losses: object = dataclasses.field(default=None, repr=False)  # loop mode over an iterator
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
 
@@ -109,7 +110,9 @@ class Unrolled:
         must see each run).
 
         If a ``tf.data`` input runs out in the middle of the run, the steps
-        before stay applied and ``InputExhaustedError`` says how many.
+        before stay applied and ``InputExhaustedError`` says how many (in loop mode,
+        ``error.values`` holds their losses). In a ``MonitoredSession`` the error is
+        TensorFlow's, unchanged (it ends training cleanly on an ``OutOfRangeError``).
         """
         try:
             if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
@@ -119,7 +122,14 @@ class Unrolled:
                 return self._first_compiled_run(call)
             return call()
         except tf.errors.OutOfRangeError as error:
-            raise InputExhaustedError(exhausted_message(self, session, error), error) from error
+            if not isinstance(session, _PLAIN_SESSIONS):
+                raise
+            losses = None
+            if self._kept_losses is not None:
+                applied, kept = session.run([self._run_length.done, self._kept_losses])
+                losses = kept[:applied]
+            raise InputExhaustedError(exhausted_message(self, session, error), error,
+                                      losses) from error
         except tf.errors.InvalidArgumentError as error:
             named = _nonfinite_named(self.name, error)
             if named is None:
@@ -461,7 +471,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     var_list=tuple(step.var_list), name=label, records=values,
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.variable if run_length else None,
-                    mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length)
+                    mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length,
+                    _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")))
 
 
 def _compiled(replicated, roots, steps, label, mode, *, given, strip, **options):

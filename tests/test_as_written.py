@@ -286,6 +286,107 @@ def test_verify_of_a_queue_fed_program_runs_its_queue_runners():
     assert report.ok and report.bitwise, report.summary()
 
 
+def _queue_fed():
+    """A range_input_producer / batch queue input (one thread: batches in order)."""
+    index = V1.train.range_input_producer(40, shuffle=False).dequeue()
+    xb, yb = V1.train.batch([tf.gather(DATA_X, index), tf.gather(DATA_Y, index)], 4,
+                            num_threads=1)
+    init = np.random.RandomState(2)
+    w = V1.get_variable("w", initializer=init.randn(5, 3).astype(np.float32))
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=yb, logits=tf.matmul(xb, w)))
+    gs = V1.train.get_or_create_global_step()
+    return loss, V1.train.AdamOptimizer(0.05).minimize(loss, global_step=gs)
+
+
+def test_a_queue_fed_loop_with_queue_runners_ports_in_three_lines():
+    """The TF1 queue pipeline's loop (a coordinator, start_queue_runners, one sess.run a
+    step), ported: the compiled program dequeues the same batches in the same order and
+    is bitwise with the program as written (9 steps). On main the port ran but
+    ms.verify of it hung (no queue runner started)."""
+    def program(port):
+        with tf.Graph().as_default():
+            loss, train = _queue_fed()
+            if port:
+                fused = ms.compile([loss, train], steps=N)  # port
+            with V1.Session() as sess:
+                sess.run([V1.global_variables_initializer(), V1.local_variables_initializer()])
+                coord = V1.train.Coordinator()
+                threads = V1.train.start_queue_runners(sess, coord)
+                losses = []
+                for _ in range(0, 9, N if port else 1):  # port
+                    if port:
+                        losses.extend(fused.run(sess)[0])  # port
+                    else:
+                        losses.append(sess.run([loss, train])[0])
+                coord.request_stop()
+                coord.join(threads, stop_grace_period_secs=30)
+                return np.array(losses, np.float32), _globals(sess)
+
+    want, want_state = program(port=False)
+    got, state = program(port=True)
+    assert got.tobytes() == want.tobytes()
+    _same(state, want_state)
+
+
+def _conv_step(x, keep_prob):
+    """The MNIST tutorial's convnet, small: conv + ReLU + 2x2 max pool twice, dropout
+    on a scalar keep_prob, a dense layer, Adam."""
+    init = np.random.RandomState(3)
+    h = tf.reshape(x, [-1, 12, 12, 1])
+    for i, channels in enumerate((4, 8)):
+        w = V1.get_variable(f"conv{i}", initializer=init.randn(
+            3, 3, h.shape[-1], channels).astype(np.float32) * 0.3)
+        b = V1.get_variable(f"bias{i}", initializer=np.full([channels], 0.1, np.float32))
+        h = tf.nn.max_pool2d(tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME") + b), 2, 2, "SAME")
+    h = tf.nn.dropout(tf.reshape(h, [-1, 3 * 3 * 8]), rate=1 - keep_prob, seed=5)
+    w = V1.get_variable("dense", initializer=init.randn(72, 3).astype(np.float32) * 0.3)
+    labels = tf.cast(tf.reduce_sum(x, 1) > 0, tf.int32)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=tf.matmul(h, w)))
+    return loss, V1.train.AdamOptimizer(0.01).minimize(loss)
+
+
+def test_a_convnets_loop_body_runs_the_single_steps_kernels():
+    """Loop mode runs oneDNN's kernels as the single step does (convolution, max pool
+    and their gradients: the issue saw MaxPoolGrad in the loop body against
+    _MklNativeMaxPoolGrad in the step), read from the partition graphs: the body's
+    kernels, by name, are the single step's. Bitwise with 6 single steps (dropout
+    included: the body's one kernel draws the program's stream)."""
+    images = np.random.RandomState(4).randn(6, 8, 144).astype(np.float32)
+    with tf.Graph().as_default():
+        V1.set_random_seed(1)
+        x, keep_prob = V1.placeholder(tf.float32, [None, 144], "x"), V1.placeholder(tf.float32)
+        loss, train = _conv_step(x, keep_prob)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            feed = {x: images[0], keep_prob: 0.75}
+            (want_first, _), nodes = ms.kernels.executed(sess, [loss, train], feed)
+            single = ms.kernels.by_name(nodes)
+            want = [want_first] + [sess.run([loss, train], {x: batch, keep_prob: 0.75})[0]
+                                   for batch in images[1:]]
+            want_state = _globals(sess)
+    with tf.Graph().as_default():
+        V1.set_random_seed(1)
+        x, keep_prob = V1.placeholder(tf.float32, [None, 144], "x"), V1.placeholder(tf.float32)
+        loss, train = _conv_step(x, keep_prob)
+        with pytest.warns(RuntimeWarning, match="stateful random ops"):
+            fused = ms.compile([loss, train], steps=N)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            feeds = [{x: batch, keep_prob: 0.75} for batch in images]
+            (first, _), nodes = ms.kernels.executed(sess, fused.values,
+                                                    fused.feed_dict(feeds=feeds[:N]))
+            got = np.concatenate([first, fused.run(sess, feeds=feeds[N:])[0]])
+            state = _globals(sess)
+    assert "_MklNativeMaxPoolGrad" in {k.op for k in single.values()} or not any(
+        k.op.startswith("_Mkl") for k in single.values())  # (oneDNN off: plain kernels)
+    body = ms.kernels.of_copies(nodes, fused.name)[ms.kernels.LOOP]
+    assert body == single, set(body.items()) ^ set(single.items())
+    assert got.tobytes() == np.array(want, np.float32).tobytes()
+    _same(state, want_state)
+
+
 def test_verify_finds_where_the_compiled_program_differs_from_the_program_as_written():
     """tf.add_n([x, tanh(x @ a), sin(x @ b), shared]) with x fed per step and `shared` a
     tensor from outside the step named to sort between the copies' names and the step's:

@@ -265,36 +265,102 @@ def test_case09_no_loss_fetched_means_no_losses():
 
 
 @pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def _running_out(check=False):
+    """7 batches (x, 4 rows of 3); with ``check``, a check_numerics that fails at step 5
+    (a log of 4 - the global step)."""
+    data = tf.data.Dataset.from_tensor_slices(np.concatenate([XS, XS[:1]]))
+    x = V1.data.make_one_shot_iterator(data).get_next()
+    w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32))
+    gs = V1.train.get_or_create_global_step()
+    h = tf.matmul(x, w)
+    if check:
+        h += 0.0 * tf.debugging.check_numerics(tf.math.log(4.0 - tf.cast(gs, tf.float32)),
+                                               "step 5")
+    loss = tf.reduce_mean(tf.square(h - 1.0))
+    return {"loss": loss, "h": h, "train": V1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, global_step=gs)}
+
+
+def _single_steps_until_error(fetches):
+    with V1.Session() as sess:
+        sess.run(V1.global_variables_initializer())
+        values = []
+        with pytest.raises((tf.errors.OutOfRangeError, tf.errors.InvalidArgumentError)):
+            while True:
+                values.append(sess.run(fetches))
+        return values, _globals(sess)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
 def test_case10_an_input_that_runs_out_mid_run_says_how_many_steps_were_applied(mode):
     """7 batches, N = 3: the third run applies one step and runs out; the error is
     ms.InputExhaustedError (an OutOfRangeError) counting the steps applied and the
-    global step, which the variables agree with. On main: TensorFlow's raw
-    OutOfRangeError, no count."""
-    def program():
-        data = tf.data.Dataset.from_tensor_slices(np.concatenate([XS, XS[:1]]))  # 7 batches
-        x = V1.data.make_one_shot_iterator(data).get_next()
-        w = V1.get_variable("w", initializer=np.full([3, 2], 0.3, np.float32))
-        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
-        gs = V1.train.get_or_create_global_step()
-        return {"loss": loss, "train": V1.train.GradientDescentOptimizer(0.1).minimize(
-            loss, global_step=gs)}
-
+    global step, which the variables agree with; in loop mode it holds the applied
+    step's values (``error.values``), bitwise with the single step's. On main:
+    TensorFlow's raw OutOfRangeError, no count, step 7's values lost."""
     with tf.Graph().as_default():
-        fetches = program()
-        with V1.Session() as sess:
-            sess.run(V1.global_variables_initializer())
-            for _ in range(7):
-                sess.run(fetches)
-            want = _globals(sess)
+        want, want_state = _single_steps_until_error(_running_out())
     with tf.Graph().as_default():
-        fused = ms.compile(program(), steps=3, mode=mode)
+        fused = ms.compile(_running_out(), steps=3, mode=mode)
         with V1.Session() as sess:
             sess.run(V1.global_variables_initializer())
             fused.run(sess), fused.run(sess)
             with pytest.raises(ms.InputExhaustedError, match=r"the first 1 of its 3 steps were "
-                                                             r"applied; the global step is now 7"):
+                                                             r"applied; the global step is now 7"
+                               ) as raised:
                 fused.run(sess)
-            _same(_globals(sess), want)
+            _same(_globals(sess), want_state)
+    if mode == "unrolled":  # (the copies keep no values: the count only)
+        assert raised.value.values is None
+        return
+    got = raised.value.values
+    assert got["train"] is None and got["loss"].shape == (1,) and got["h"].shape == (1, 4, 2)
+    assert got["loss"].tobytes() == np.float32(want[6]["loss"]).tobytes()
+    assert got["h"][0].tobytes() == want[6]["h"].tobytes()
+
+
+def test_case10_a_check_that_fails_mid_run_says_how_many_steps_were_applied():
+    """A check_numerics that fails at step 5, runs of 3: single steps apply 4 steps and
+    raise; the compiled program applies the same 4, raises ms.StepFailedError (an
+    InvalidArgumentError, as TensorFlow's) with TensorFlow's message and
+    "the first 1 of its 3 steps were applied", with step 4's values. On main: the raw
+    error, no count, step 4's values lost."""
+    with tf.Graph().as_default():
+        want, want_state = _single_steps_until_error(_running_out(check=True))
+    assert len(want) == 4
+    with tf.Graph().as_default():
+        fused = ms.compile(_running_out(check=True), steps=3)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            fused.run(sess)
+            with pytest.raises(ms.StepFailedError,  # (an InvalidArgumentError)
+                               match=r"(?s)step 5.*failed at its step 2: the first 1 of its 3 "
+                                     r"steps were applied \(their values: this error's .values\)"
+                               ) as raised:
+                fused.run(sess)
+            _same(_globals(sess), want_state)
+    assert raised.value.values["loss"].tobytes() == np.float32(want[3]["loss"]).tobytes()
+
+
+def test_case10_under_monitored_training_session_the_hook_has_the_applied_steps(tmp_path):
+    """MonitoredTrainingSession ends cleanly on the input running out, as it does for
+    single steps; ms.hooks.InputExhaustedHook says how many steps of the last run were
+    applied and holds their values. On main: steps 1..6 reached the hooks, step 7's
+    values were lost and nothing said so."""
+    with tf.Graph().as_default():
+        want, want_state = _single_steps_until_error(_running_out())
+    with tf.Graph().as_default():
+        fused = ms.compile(_running_out(), steps=3)
+        exhausted = ms.hooks.InputExhaustedHook(fused)
+        got = []
+        with V1.train.MonitoredTrainingSession(hooks=[exhausted], save_checkpoint_secs=None,
+                                               save_summaries_steps=None) as sess:
+            while not sess.should_stop():
+                got.append(fused.run(sess)["loss"])
+            state = _globals(sess._tf_sess())  # noqa: SLF001 (the session under the hooks)
+    assert exhausted.steps_applied == 1
+    losses = np.concatenate(got + [exhausted.values["loss"]])
+    assert losses.tobytes() == np.array([w["loss"] for w in want], np.float32).tobytes()
 
 
 def test_case11_a_local_variables_reset_keeps_the_run_length():

@@ -251,6 +251,13 @@ def test_xla_loop_takes_the_run_length_at_run_time():
 
 
 def test_loop_mode_exhausted_input_says_exactly_how_many_steps_were_applied():
+    """... and the error holds the losses of the 2 steps applied (steps 8 and 9), bitwise
+    with the canonical single steps'."""
+    with tf.Graph().as_default():
+        train_op, loss = single_step_graph(dataset(0, 9))
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run([loss, train_op])[0] for _ in range(9)]
     with tf.Graph().as_default():
         unrolled = fused_graph(dataset(0, 9), 4)  # 9 batches: runs of 4, then 3 and 3
         with V1.Session() as sess:
@@ -263,6 +270,7 @@ def test_loop_mode_exhausted_input_says_exactly_how_many_steps_were_applied():
             assert sess.run(unrolled.global_step) == 9
     assert ("the input ran out during a run: the first 2 of its 3 steps were applied; "
             "the global step is now 9" in info.value.message)
+    assert info.value.values.tobytes() == np.array(want[7:], np.float32).tobytes()
 
 
 # MonitoredTrainingSession: ms.hooks against TensorFlow's hooks on single steps.
