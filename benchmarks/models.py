@@ -1,4 +1,4 @@
-"""Fused against single steps on four real models: is a fused run ever slower?
+"""Fused against single steps on five real models: is a fused run ever slower?
 
 Models (TF1 graph mode, Adam, full batch held in the graph):
 - `mlp`: 3 hidden layers of 256 (relu), batch 128, 64 features, 10 classes;

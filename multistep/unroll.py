@@ -26,9 +26,9 @@ import weakref
 import tensorflow as tf
 
 from multistep import auto, checks, lint
-from multistep.compile import (_PLAIN_SESSIONS, GraphTooLargeError, InputExhaustedError,
-                               build, callable_for, check_graph_size, exhausted_message,
-                               make_run_length, positive_int, set_steps_per_run)
+from multistep.compile import (GraphTooLargeError, build, check_graph_size, make_run_length,
+                               positive_int, set_steps_per_run)
+from multistep.runs import PLAIN_SESSIONS, InputExhaustedError, callable_for, exhausted_message
 from multistep import phases as phases_lib
 from multistep import step as step_lib
 from multistep.checks import RECORDS
@@ -115,14 +115,14 @@ class Unrolled:
         TensorFlow's, unchanged (it ends training cleanly on an ``OutOfRangeError``).
         """
         try:
-            if feed_dict or not isinstance(session, _PLAIN_SESSIONS):
+            if feed_dict or not isinstance(session, PLAIN_SESSIONS):
                 return session.run(self.losses, feed_dict)
             call, new = callable_for(self._callables, session, self.losses)
             if new and self.mode == "unrolled+xla" and self.steps > UNROLLED_XLA_WARN_STEPS:
                 return self._first_compiled_run(call)
             return call()
         except tf.errors.OutOfRangeError as error:
-            if not isinstance(session, _PLAIN_SESSIONS):
+            if not isinstance(session, PLAIN_SESSIONS):
                 raise
             losses = None
             if self._kept_losses is not None:
