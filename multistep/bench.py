@@ -122,7 +122,7 @@ def _v1_method(mode, xla):
             elif mode.startswith("compile "):  # the single step, then ms.compile
                 loss = _graph_loss_fn(problem)()
                 op = compile([loss, optimizer.minimize(loss, global_step=gs)], steps,
-                             mode=mode.split()[1])
+                             mode=mode.split()[1], xla=xla)
                 calls = 1
             else:
                 op = unroll(_graph_loss_fn(problem), optimizer, steps, global_step=gs, mode=mode,
@@ -152,6 +152,39 @@ def _v1_method(mode, xla):
         finally:
             sess.close()
     return method
+
+
+def _floor_method(problem, steps, timing):
+    """The floor: a minimal TF1 XLA while loop of the same maths, nothing kept. One
+    ``tf.function(jit_compile=True)`` called from the graph, whose ``tf.while_loop``
+    body is the forward pass, ``tf.gradients`` and Adam's apply; run through
+    ``make_callable`` on its one output (the loop's counter)."""
+    with tf.Graph().as_default() as graph:
+        weights = [(V1.get_variable(f"w{i}", initializer=w), V1.get_variable(f"b{i}", initializer=b))
+                   for i, (w, b) in enumerate(_initial_values(problem))]
+        flat = [v for pair in weights for v in pair]
+        optimizer = V1.train.AdamOptimizer(LEARNING_RATE)
+        x = tf.constant(problem.x)
+        optimizer.apply_gradients([(tf.zeros_like(v), v) for v in flat])  # its slots, once
+
+        def body(i):
+            loss = _forward(problem, weights, x)
+            apply = optimizer.apply_gradients(zip(tf.gradients(loss, flat), flat))
+            with tf.control_dependencies([apply]):
+                return i + 1
+
+        loop = tf.function(lambda: tf.while_loop(lambda i: i < steps, body, [0],
+                                                 parallel_iterations=1),
+                           jit_compile=True, autograph=False)
+        count = loop()
+        init = V1.global_variables_initializer()
+    graph.finalize()
+    sess = V1.Session(graph=graph)
+    try:
+        sess.run(init)
+        yield from timing.samples(sess.make_callable(count), steps)
+    finally:
+        sess.close()
 
 
 class _Skipped(Exception):
@@ -338,6 +371,9 @@ METHODS = {
     "auto": _v1_method("auto", False),  # mode="auto": what it picks for the problem
     "compile unrolled": _v1_method("compile unrolled", False),
     "compile while_loop": _v1_method("compile while_loop", False),
+    "compile while_loop+xla": _v1_method("compile while_loop", True),
+    # The floor: a minimal TF1 XLA while loop of the same maths, keeping nothing.
+    "tf1 xla loop (floor)": _floor_method,
     "tf.function": _tf2_method(False),
     "tf.function+jit": _tf2_method(True),
     "tf.function+jit+losses": _tf2_method(True, losses=True),

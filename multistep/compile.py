@@ -620,7 +620,8 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
     """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
     builder of the values, the loop's end, each link's value after the last step).
     ``static``: the per-step values in arrays of ``steps`` entries, ``count`` of them
-    taken after the loop (what XLA compiles); else arrays of ``count`` entries.
+    taken after the loop (what XLA compiles; past ``CHUNK`` steps, in chunks: see
+    ``_chunked``); else arrays of ``count`` entries.
     ``partial``: a dict to fill with ``build``'s ``Built.partial``, or None."""
     tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
     kept = {} if partial is None else {
@@ -631,7 +632,7 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         for j in tensors if j not in dynamic and roots[j].shape.is_fully_defined()}
     placeholders = list(links)
 
-    def body(i, arrays, carried):
+    def body(i, arrays, carried, offset=None):  # (offset: the index of arrays[0] in the run)
         # v1 control flow: the body is built under the loop's scope; v2: in a function
         # that is inlined as "<name>/loop/body/_<n>/" when the loop is lowered.
         scope = tf.compat.v1.get_default_graph().get_name_scope()
@@ -648,7 +649,8 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         with tf.control_dependencies([end] + kept_now):  # (done counts what is kept)
             ended = [] if done is None else [done.assign(i + 1, read_value=False)]
             with tf.control_dependencies(ended):
-                written = [_write(array, i, fetched[j]) for j, array in zip(tensors, arrays)]
+                at = i if offset is None else i - offset
+                written = [_write(array, at, fetched[j]) for j, array in zip(tensors, arrays)]
                 return [i + 1, written, [tf.identity(f) for f in following]]
 
     size = steps if static else count
@@ -659,20 +661,67 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
               for v in kept.values()]  # sets it first)
     with tf.control_dependencies(start):
         zero = tf.identity(0) if start else tf.constant(0)
-    i, arrays, carried = tf.while_loop(
-        lambda i, *_: i < count, body, [zero, arrays, first],
-        parallel_iterations=1, maximum_iterations=steps, name="loop")
+    chunked = static and steps > CHUNK
+    if chunked:
+        i, arrays, carried = _chunked(body, [roots[j] for j in tensors], count, steps, zero,
+                                      first)
+    else:
+        i, arrays, carried = tf.while_loop(
+            lambda i, *_: i < count, body, [zero, arrays, first],
+            parallel_iterations=1, maximum_iterations=steps, name="loop")
     if partial is not None:
         partial.update((j, variable.value()) for j, variable in kept.items())
 
     def values():  # built after the train op: fetching one runs the steps
         stacked = {j: _ragged(array[0].concat(), array[1].stack(), f"values_{j}")
                    if isinstance(array, tuple) else
-                   tf.identity(array.stack()[:i] if static else array.stack(), name=f"values_{j}")
+                   tf.identity(_unchunked(array.stack(), roots[j])[:i] if chunked else
+                               array.stack()[:i] if static else array.stack(), name=f"values_{j}")
                    for j, array in zip(tensors, arrays)}
         return [stacked.get(j) for j in range(len(roots))]
 
     return values, i.op, carried
+
+
+# Steps a chunk of an XLA loop keeps: 128 float32 values are 512 bytes, the most a buffer
+# may hold for XLA:CPU to run a loop body's thunks in order, inline, rather than through
+# its concurrent executor (which cost 1.5 µs a step on blobs when an f32[N] loss buffer,
+# N > 128, was written every step).
+CHUNK = 128
+
+
+def _chunked(body, fetched, count, steps, zero, first):
+    """An XLA loop of ``count`` steps whose per-step values are written into arrays of
+    ``CHUNK`` steps (each a buffer small enough for XLA:CPU's sequential executor), each
+    chunk's copied into the ``[steps / CHUNK, CHUNK, ...]`` arrays once, after its steps:
+    an outer loop over chunks, an inner loop over a chunk's steps (``body``, as
+    ``_while_loop``'s, writing at the step's index within its chunk). Returns (the steps
+    done, the arrays of chunks, each link's value after the last step)."""
+    chunks = -(-steps // CHUNK)
+
+    def chunk(c, i, arrays, carried):
+        small = [tf.TensorArray(t.dtype.base_dtype, size=CHUNK, element_shape=t.shape)
+                 for t in fetched]
+        i, small, carried = tf.while_loop(
+            lambda i, *_: tf.logical_and(i < count, i < (c + 1) * CHUNK),
+            lambda i, small, carried: body(i, small, carried, offset=c * CHUNK),
+            [i, small, carried], parallel_iterations=1, maximum_iterations=CHUNK,
+            name="chunk")
+        return [c + 1, i, [a.write(c, s.stack()) for a, s in zip(arrays, small)], carried]
+
+    arrays = [tf.TensorArray(t.dtype.base_dtype, size=chunks,
+                             element_shape=tf.TensorShape([CHUNK]).concatenate(t.shape))
+              for t in fetched]
+    _, i, arrays, carried = tf.while_loop(
+        lambda c, i, *_: i < count, chunk, [tf.constant(0), zero, arrays, first],
+        parallel_iterations=1, maximum_iterations=chunks, name="loop")
+    return i, arrays, carried
+
+
+def _unchunked(stacked, root):
+    """``[chunks, CHUNK, ...]`` values as ``[chunks * CHUNK, ...]``."""
+    return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0)) if root.shape.rank \
+        else tf.reshape(stacked, [-1])
 
 
 def step_inputs(batches, index, template, prefix):

@@ -337,7 +337,7 @@ XLA_CASES = {  # mode, N, optimizer, options
     "while_loop-5-Adam-batch_norm": ("while_loop", 5, V1.train.AdamOptimizer, {"bn": True}),
     "while_loop-17-Adam-ignore": ("while_loop", 17, V1.train.AdamOptimizer,
                                   {"nonfinite": "ignore"}),
-    # past 128 steps the per-step outputs are written in chunks (unroll.CHUNK): 128 + 2
+    # past 128 steps the per-step outputs are written in chunks (compile.CHUNK): 128 + 3
     "while_loop-131-Adam-chunked": ("while_loop", 131, V1.train.AdamOptimizer,
                                     {"record": ("grad_norm",)}),
 }
