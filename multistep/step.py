@@ -509,7 +509,7 @@ def raise_if_halted(halted, var_list, label):
     """After a compiled program: an op that raises (InvalidArgumentError) if a step halted
     it (``Step._halt_unless_finite``), with the message a CheckNumerics gives unrolled.
     The message is built in the cond's branch that raises: a run that did not halt reads
-    the flag and compares it (the message's 20-odd host ops cost 15 µs a call)."""
+    the flag and compares it (on blobs at N = 10: 56.5 against 62.6 µs a call)."""
     at = halted.read_value()
 
     def fail():
