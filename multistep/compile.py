@@ -408,7 +408,7 @@ Built = collections.namedtuple("Built", "values train_op run_length inputs carri
 
 
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
-          done=None, xla=False, strip=None, random="refuse", before=None, finish=None,
+          done=None, xla=False, strip=None, random="refuse", finish=None, stop=None,
           dynamic=frozenset()):
     """The compiler proper, in the current name scope ``label``: ``roots`` (ops and
     tensors) run ``steps`` times, ``mode`` ``"unrolled"`` or ``"while_loop"``.
@@ -425,10 +425,11 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     ``random``: ``"refuse"`` (``ms.compile``'s: refuse stateful random ops in unrolled
     mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
     warns itself).
-    ``before``: an op the steps start after; ``finish(end)``: the op that ends the run,
-    given the end of its last step. ``dynamic``: the indices of tensor roots whose shape
-    can differ from step to step (a short final batch): their values are a ``RaggedTensor``
-    ``[N, (d1), ...]`` (not under XLA, where shapes are static).
+    ``finish(end, carried)``: the op that ends the run, given the end of its last step and each
+    link's value after it; ``stop``: a bool link's placeholder, after whose step a loop
+    stops once its value is False (a halt). ``dynamic``: the indices of tensor roots whose
+    shape can differ from step to step (a short final batch): their values are a
+    ``RaggedTensor`` ``[N, (d1), ...]`` (not under XLA, where shapes are static).
 
     ``Built.partial``: in loop mode with ``done``, {index of a tensor root of static
     shape: a read of the ``[steps, ...]`` variable each step writes its value into
@@ -522,15 +523,14 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
         batches = {**prepared(inputs, count, label), **given}
     core = _unrolled if mode == "unrolled" else _while_loop
     program = None
-    with tf.control_dependencies([] if before is None else [before]):
-        if not xla:
-            values, end, carried = core(template, roots, batches, links, count, steps, label,
-                                        done, dynamic=dynamic, partial=partial)
-        else:
-            program = tf.function(lambda: _program_body(core, template, roots, batches,
-                                                        links, count, steps, label, done),
-                                  jit_compile=True, autograph=False)
-            outputs = program()
+    if not xla:
+        values, end, carried = core(template, roots, batches, links, count, steps, label,
+                                    done, dynamic=dynamic, partial=partial, stop=stop)
+    else:
+        program = tf.function(lambda: _program_body(core, template, roots, batches,
+                                                    links, count, steps, label, done, stop),
+                              jit_compile=True, autograph=False)
+        outputs = program()
     if xla:
         program = program.get_concrete_function().graph
         why = auto.uncompilable(program)
@@ -540,14 +540,14 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
         if why is not None:
             raise ValueError(f"{label}: xla=True, but the steps cannot compile: {why}. Build "
                              f"without XLA (mode='while_loop' runs the step as written).")
-        end = outputs[0].op
+        end, done = outputs[0].op, outputs[0] if mode == "while_loop" else None
         tensors = iter(outputs[1:])
         fetched = [None if isinstance(r, tf.Operation) else next(tensors) for r in roots]
         carried = list(tensors)
-        values = lambda: [None if v is None else tf.identity(v, name=f"values_{j}")  # noqa: E731
+        values = lambda: [None if v is None else _first(v, done, f"values_{j}")  # noqa: E731
                           for j, v in enumerate(fetched)]
     if finish is not None:
-        end = finish(end)
+        end = finish(end, carried)
     with tf.control_dependencies([end]):
         train_op = tf.no_op(name="train")
     with tf.control_dependencies([train_op]):
@@ -557,13 +557,33 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
                  partial)
 
 
-def _program_body(core, template, roots, batches, links, count, steps, label, done):
-    """The steps inside an XLA program: [its end (a value), each tensor root's values, each
-    link's last value]."""
+def _program_body(core, template, roots, batches, links, count, steps, label, done, stop):
+    """The steps inside an XLA program: [its end (loop mode: the steps it made, int32
+    ``[1]``), each tensor root's values (loop mode: all ``steps`` entries, of which
+    ``_first`` takes those made), each link's last value]. A link's constant first value
+    is built in the program rather than passed to it (a host node and an argument less)."""
+    links = {p: (tf.constant(tf.get_static_value(first), first.dtype)
+                 if first.op.type == "Const" else first, following)
+             for p, (first, following) in links.items()}
     values, end, carried = core(template, roots, batches, links, count, steps, label, done,
-                                static=True)
+                                static=True, stop=stop)
     with tf.control_dependencies([end]):
-        return [tf.constant(True)] + [v for v in values() if v is not None] + list(carried)
+        made, fetched = values(whole=True)
+        return ([tf.constant(True) if made is None else tf.reshape(made, [1])]
+                + [v for v in fetched if v is not None] + list(carried))
+
+
+def _first(values, made, name):
+    """The entries of an XLA loop's ``values`` that its steps made (``made``: int32 ``[1]``),
+    taken on the host: inside the program a slice of a size known only at run time makes
+    an output of dynamic shape, which cost 17 µs a call on blobs (57 against 40 µs for the
+    XLA call of a minimal loop that keeps its losses, N = 10). Unrolled (``made`` None):
+    ``values``."""
+    if made is None:
+        return tf.identity(values, name=name)
+    rank = values.shape.rank
+    size = made if rank == 1 else tf.concat([made, [-1] * (rank - 1)], 0)
+    return tf.slice(values, [0] * rank, size, name=name)
 
 
 def _graph_element(graph, item, index):
@@ -581,10 +601,10 @@ def _graph_element(graph, item, index):
 
 
 def _unrolled(template, roots, batches, links, count, steps, label, done, static=False,
-              dynamic=frozenset(), partial=None):
+              dynamic=frozenset(), partial=None, stop=None):
     """N copies, each after the one before; returns (a builder of the values, the last
     copy's end, each link's value after the last copy)."""
-    del count, done, static, partial  # (every run makes ``steps`` steps)
+    del count, done, static, partial, stop  # (every run makes ``steps`` steps)
     prefixes = [f"{label}/step_{k + 1}" for k in range(steps)]
     slices = [step_inputs(batches, k, template, prefixes[k]) for k in range(steps)]
     for k in range(steps):  # a link: step 1 reads its first value, step k the one before's
@@ -598,7 +618,9 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
     carried = [fetched_in(copies[-1], [following], lambda root: root)[0]
                for _, following in links.values()]
 
-    def values():  # built after the train op: fetching one runs the steps
+    def values(whole=False):  # built after the train op: fetching one runs the steps
+        if whole:  # (in an XLA program: as _while_loop's)
+            return None, values()
         out = []
         for j, root in enumerate(roots):
             if isinstance(root, tf.Operation):
@@ -616,12 +638,12 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
 
 
 def _while_loop(template, roots, batches, links, count, steps, label, done, static=False,
-                dynamic=frozenset(), partial=None):
+                dynamic=frozenset(), partial=None, stop=None):
     """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
     builder of the values, the loop's end, each link's value after the last step).
-    ``static``: the per-step values in arrays of ``steps`` entries, ``count`` of them
-    taken after the loop (what XLA compiles; past ``CHUNK`` steps, in chunks: see
-    ``_chunked``); else arrays of ``count`` entries.
+    ``static``: the per-step values in arrays of ``steps`` entries, of which the host
+    takes the ``count`` made (``_first``: what XLA compiles; past ``CHUNK`` steps, in
+    chunks: see ``_chunked``); else arrays of ``count`` entries.
     ``partial``: a dict to fill with ``build``'s ``Built.partial``, or None."""
     tensors = [j for j, root in enumerate(roots) if not isinstance(root, tf.Operation)]
     kept = {} if partial is None else {
@@ -631,6 +653,10 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
                                  name=f"applied_{j}")
         for j in tensors if j not in dynamic and roots[j].shape.is_fully_defined()}
     placeholders = list(links)
+
+    def going(i, carried):  # whether the loop makes step i + 1
+        more = i < count
+        return more if stop is None else tf.logical_and(more, carried[placeholders.index(stop)])
 
     def body(i, arrays, carried, offset=None):  # (offset: the index of arrays[0] in the run)
         # v1 control flow: the body is built under the loop's scope; v2: in a function
@@ -663,22 +689,25 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         zero = tf.identity(0) if start else tf.constant(0)
     chunked = static and steps > CHUNK
     if chunked:
-        i, arrays, carried = _chunked(body, [roots[j] for j in tensors], count, steps, zero,
+        i, arrays, carried = _chunked(body, [roots[j] for j in tensors], going, steps, zero,
                                       first)
     else:
         i, arrays, carried = tf.while_loop(
-            lambda i, *_: i < count, body, [zero, arrays, first],
+            lambda i, _, carried: going(i, carried), body, [zero, arrays, first],
             parallel_iterations=1, maximum_iterations=steps, name="loop")
     if partial is not None:
         partial.update((j, variable.value()) for j, variable in kept.items())
 
-    def values():  # built after the train op: fetching one runs the steps
+    def values(whole=False):  # built after the train op: fetching one runs the steps
+        """Each tensor root's values; ``whole`` (in an XLA program): (the steps made, the
+        arrays of all ``steps`` entries (or, chunked, of whole chunks))."""
         stacked = {j: _ragged(array[0].concat(), array[1].stack(), f"values_{j}")
                    if isinstance(array, tuple) else
-                   tf.identity(_unchunked(array.stack(), roots[j])[:i] if chunked else
-                               array.stack()[:i] if static else array.stack(), name=f"values_{j}")
+                   _unchunked(array.stack(), roots[j]) if chunked else
+                   array.stack() if whole else tf.identity(array.stack(), name=f"values_{j}")
                    for j, array in zip(tensors, arrays)}
-        return [stacked.get(j) for j in range(len(roots))]
+        fetched = [stacked.get(j) for j in range(len(roots))]
+        return (i, fetched) if whole else fetched
 
     return values, i.op, carried
 
@@ -690,10 +719,11 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
 CHUNK = 128
 
 
-def _chunked(body, fetched, count, steps, zero, first):
-    """An XLA loop of ``count`` steps whose per-step values are written into arrays of
-    ``CHUNK`` steps (each a buffer small enough for XLA:CPU's sequential executor), each
-    chunk's copied into the ``[steps / CHUNK, CHUNK, ...]`` arrays once, after its steps:
+def _chunked(body, fetched, going, steps, zero, first):
+    """An XLA loop that makes steps while ``going(i, carried)``, whose per-step values
+    are written into arrays of ``CHUNK`` steps (each a buffer small enough for XLA:CPU's
+    sequential executor), each chunk's copied into the ``[steps / CHUNK, CHUNK, ...]``
+    arrays once, after its steps:
     an outer loop over chunks, an inner loop over a chunk's steps (``body``, as
     ``_while_loop``'s, writing at the step's index within its chunk). Returns (the steps
     done, the arrays of chunks, each link's value after the last step)."""
@@ -703,7 +733,7 @@ def _chunked(body, fetched, count, steps, zero, first):
         small = [tf.TensorArray(t.dtype.base_dtype, size=CHUNK, element_shape=t.shape)
                  for t in fetched]
         i, small, carried = tf.while_loop(
-            lambda i, *_: tf.logical_and(i < count, i < (c + 1) * CHUNK),
+            lambda i, _, carried: tf.logical_and(going(i, carried), i < (c + 1) * CHUNK),
             lambda i, small, carried: body(i, small, carried, offset=c * CHUNK),
             [i, small, carried], parallel_iterations=1, maximum_iterations=CHUNK,
             name="chunk")
@@ -713,7 +743,7 @@ def _chunked(body, fetched, count, steps, zero, first):
                              element_shape=tf.TensorShape([CHUNK]).concatenate(t.shape))
               for t in fetched]
     _, i, arrays, carried = tf.while_loop(
-        lambda c, i, *_: i < count, chunk, [tf.constant(0), zero, arrays, first],
+        lambda c, i, _, carried: going(i, carried), chunk, [tf.constant(0), zero, arrays, first],
         parallel_iterations=1, maximum_iterations=chunks, name="loop")
     return i, arrays, carried
 

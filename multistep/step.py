@@ -20,10 +20,12 @@ with the names a single-step graph gives them.
 
 import contextlib
 import dataclasses
+import re
 import warnings
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
+from tensorflow.python.ops import gen_resource_variable_ops
 
 from multistep import lint, scopes, transforms
 
@@ -51,8 +53,10 @@ class Step:
     after_apply: object = None
     label: str = "multistep"
     skipped: object = None
-    halted: object = None  # xla=True, nonfinite="raise": int32 [3] variable (_halt_unless_finite)
-    xla: bool = False  # built to run in an XLA program (the apply in a cond, a halt flag)
+    halts: bool = False  # xla=True, nonfinite="raise": halt (_halt_unless_finite)
+    halt: object = None  # then {"in": (ok, halted) placeholders, "out": (ok, halted) tensors}
+    xla: bool = False  # built to run in an XLA program (_apply_where, a halt state)
+    looped: bool = False  # built as a loop's body (mode="while_loop")
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     rebuild: bool = False  # traced before (mode="auto"): its variables exist
@@ -156,25 +160,34 @@ class Step:
         if self.record:
             with self.guard.scope("record"):
                 outputs.update(_records(self.record, self.optimizer, grads_and_vars))
-        if self.nonfinite == "raise" and self.halted is None and not self.xla:
+        kept = None
+        if self.nonfinite == "raise" and not self.halts and not self.xla:
             with self.guard.scope("check"):
                 loss, grads_and_vars = self._checked(loss, grads_and_vars)
-        elif self.nonfinite == "raise" and self.halted is not None:  # compiled: halt, raise after
+        elif self.nonfinite == "raise" and self.halts:  # compiled: halt, raise after
             with self.guard.scope("check"):
-                finite, otherwise = self._halt_unless_finite(loss, grads_and_vars)
+                finite, otherwise, kept = self._halt_unless_finite(loss, grads_and_vars)
         elif self.nonfinite == "skip":
             with self.guard.scope("check"):
                 finite, otherwise = _all_finite([loss] + [g for g, _ in grads_and_vars]), self._skip
-        elif self.xla:  # compiled (XLA), nonfinite="ignore" (or mode="auto"'s trial)
+        elif self.xla and not self.looped:  # XLA, unrolled, nonfinite="ignore" (or auto's trial)
             finite, otherwise = _opaque_true(), tf.no_op
+        elif self.xla:  # XLA, loop mode, nonfinite="ignore": a step is one iteration
+            finite = None
         # What a phase run beside this one (phases="simultaneous") orders its apply after.
         self.before_apply = [loss, *outputs.values()] + [
             g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in grads_and_vars
             if g is not None]
         with (self.guard.scope("apply") as self.apply_scope,
               tf.control_dependencies([loss, *outputs.values()])):
-            if self.nonfinite == "skip" or self.xla:
-                return outputs, self._apply_if(finite, grads_and_vars, otherwise)
+            if self.nonfinite == "skip" or self.xla and not self.looped:
+                applied, carried = self._apply_if(finite, grads_and_vars, otherwise, kept)
+                if self.halts:
+                    self.halt["out"] = (tf.identity(applied, name="ok_out"),
+                                        tf.identity(carried[0], name="halted_out"))
+                return outputs, applied.op
+            if self.xla:
+                return outputs, self._apply_where(finite, grads_and_vars)
             with self._slots_scope():
                 return outputs, _apply_op(self.optimizer.apply_gradients(
                     grads_and_vars, global_step=self.global_step))
@@ -271,30 +284,42 @@ class Step:
         return check(loss, "loss"), grads_and_vars
 
     def _halt_unless_finite(self, loss, grads_and_vars):
-        """XLA does not raise from CheckNumerics (it compiles to nothing), so in a compiled
-        program ``nonfinite="raise"`` halts instead: the first step with a non-finite
-        value, and every step after it, applies nothing (unrolled, their forward passes
-        and update ops still run; a loop stops), and ``halted`` keeps
-        ``[that step, 1 + the index of the value, steps so far]`` (gradients in
-        ``var_list`` order, then the loss, as ``_checked`` orders its checks) for the check
-        after the program (``raise_if_halted``); the program starts it at zeros, and each
-        step counts itself in. Returns (whether to apply, what to do instead)."""
+        """XLA does not raise from CheckNumerics (it compiles to nothing), so in a compiled program
+        ``nonfinite="raise"`` halts instead: the first step with a non-finite value, and
+        every step after it, applies nothing (a loop stops after it; unrolled, the later
+        steps' forward passes and update ops still run), and the check after the program
+        (``raise_if_halted``) raises. The halt state is carried from step to step as
+        ``carry=`` is (the compiler links ``halt["in"]`` to the step before's
+        ``halt["out"]``, and outputs the last step's from the XLA program): ``ok``, no step
+        has halted, and ``halted``, ``[the step that halted (0: none), 1 + the index of its
+        value, steps so far]`` (gradients in ``var_list`` order, then the loss, as
+        ``_checked`` orders its checks). No variable: nothing to reset or read on the host,
+        a handful of scalar operations a step inside the program. Returns (whether to apply,
+        then ``_apply_if``'s ``otherwise`` and ``kept``: in loop mode None, as
+        ``_apply_where`` takes none)."""
         values = [g for g, _ in grads_and_vars] + [loss]
+        carried = [tf.compat.v1.placeholder(tf.bool, [], name="ok_in"),
+                   tf.compat.v1.placeholder(tf.int32, [3], name="halted_in")]
+        ok, halted = carried
         flags = tf.stack([_all_finite([v]) for v in values])
-        at = self.halted.assign_add([0, 0, 1])  # this step's number, in the program's run
-        running = tf.equal(at[0], 0)
+        at = halted + [0, 0, 1]  # this step's number, in the program's run
+        apply = tf.logical_and(ok, tf.reduce_all(flags))
+        self.halt = {"in": tuple(carried)}
 
-        def halt():
+        def halt():  # (the halt state if this step does not apply)
             which = tf.reduce_min(tf.where(flags, len(values), tf.range(len(values))))
-            now = tf.stack([at[2], which + 1, at[2]])
-            return self.halted.assign(tf.where(running, now, at), read_value=False)
+            return [tf.where(ok, tf.stack([at[2], which + 1, at[2]]), at)]
 
-        return tf.logical_and(running, tf.reduce_all(flags)), halt
+        if self.looped:  # carried out of the select of _apply_where
+            self.halt["out"] = (tf.identity(apply, name="ok_out"),
+                                tf.where(apply, at, halt()[0], name="halted_out"))
+            return apply, None, None
+        return apply, halt, lambda: [at]  # unrolled: out of the cond of _apply_if
 
     def _skip(self):
         """A skipped step (``nonfinite="skip"``): advance the global step, count the skip."""
         count = self.skipped
-        if self.xla:  # XLA takes initialised variables only (as `halted`)
+        if self.xla:  # XLA takes initialised variables only
             updates = [count.assign_add(1)]
         else:  # a local variable: the first skip of a session that did not initialise it
             updates = [tf.cond(count.is_initialized(),
@@ -304,23 +329,67 @@ class Step:
             updates.append(self.global_step.assign_add(1))
         return tf.group(*updates)
 
-    def _apply_if(self, finite, grads_and_vars, otherwise):
-        """Apply when ``finite``; else run ``otherwise()`` (skip, or halt)."""
+    def _apply_where(self, keep, grads_and_vars):
+        """Under XLA, in loop mode: the apply (and ``after_apply``), then, where ``keep``
+        is given (``nonfinite="raise"``: whether the step applies), every variable they
+        write set to ``where(keep, its new value, its value before)``: a select that XLA
+        fuses into the apply's own loops, where a ``tf.cond`` around the apply is a
+        conditional that copies the state in and out each step. ``keep`` None
+        (``"ignore"``): the plain apply, as the single step's. (Unrolled, each apply
+        stays in a cond: see ``_opaque_true``.)"""
+        self._check_capturable(grads_and_vars)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with self._slots_scope():
+            applied = self._after(_apply_op(self.optimizer.apply_gradients(
+                grads_and_vars, global_step=self.global_step)))
+        if keep is None:
+            return applied
+        new = set(graph.get_operations()[first:])
+        writes = [op for op in lint.ancestors([applied]) if op in new and lint.is_write(op)]
+        before = {}
+        for op in writes:  # each variable read before the first write to it
+            # (an optimizer's ResourceApply* op writes each of its resources: the
+            # variable and its slots; an assign or scatter writes its first input)
+            written = [t for t in op.inputs if t.dtype == tf.resource] \
+                if op.type.startswith(("ResourceApply", "ResourceSparseApply")) else op.inputs[:1]
+            for handle in map(lint.source_op, written):
+                if handle not in before:
+                    before[handle] = gen_resource_variable_ops.read_variable_op(
+                        handle.outputs[0], handle.get_attr("dtype"), name="before")
+                op._add_control_inputs([before[handle].op])  # noqa: SLF001 (as lint.order_as_built)
+        with tf.control_dependencies([applied]):
+            return tf.group(*[gen_resource_variable_ops.assign_variable_op(
+                handle.outputs[0], tf.where(keep, gen_resource_variable_ops.read_variable_op(
+                    handle.outputs[0], value.dtype), value), name="kept")
+                for handle, value in before.items()], name="applied")
+
+    def _check_capturable(self, grads_and_vars):
         check_capturable([v for _, v in grads_and_vars] + (
             [self.global_step] if self.global_step is not None else []),
             "nonfinite='skip'" if self.nonfinite == "skip" else "xla=True",
             compiled=self.xla)
 
+    def _apply_if(self, finite, grads_and_vars, otherwise, kept=None):
+        """Apply when ``finite``; else run ``otherwise()`` (skip, or halt). Returns (whether
+        it applied, then what ``kept()`` gives when it applies and ``otherwise()`` when
+        not: tensors the cond carries out, the halt state)."""
+        self._check_capturable(grads_and_vars)
+
         def apply():  # a skipped step runs no after_apply: only this branch has one
             with tf.control_dependencies([self._after(self.optimizer.apply_gradients(
                     grads_and_vars, global_step=self.global_step))]):
-                return tf.constant(True)
+                return [tf.constant(True)] + [tf.identity(t) for t in kept()] if kept else [
+                    tf.constant(True)]
 
         def skip():
+            if kept:
+                return [tf.constant(False)] + otherwise()
             with tf.control_dependencies([otherwise()]):
-                return tf.constant(False)
+                return [tf.constant(False)]
 
-        return tf.cond(finite, apply, skip, name=_IF_FINITE).op
+        applied, *carried = tf.cond(finite, apply, skip, name=_IF_FINITE)
+        return applied, carried
 
     @staticmethod
     def names_now():
@@ -505,26 +574,36 @@ def learning_rate_of(optimizer):
     return None
 
 
-def raise_if_halted(halted, var_list, label):
+def raise_if_halted(ok, halted, var_list, label):
     """After a compiled program: an op that raises (InvalidArgumentError) if a step halted
-    it (``Step._halt_unless_finite``), with the message a CheckNumerics gives unrolled.
-    The message is built in the cond's branch that raises: a run that did not halt reads
-    the flag and compares it (on blobs at N = 10: 56.5 against 62.6 µs a call)."""
-    at = halted.read_value()
+    it (``Step._halt_unless_finite``; ``ok`` and ``halted``, the last step's halt state, are
+    outputs of the program). Two nodes on the host, an ``Assert`` and its message (on
+    blobs at N = 10, ...): the message names the step and the value by number, and
+    ``halt_message`` gives the one a ``CheckNumerics`` gives unrolled."""
+    whats = [f"gradient for variable {v.op.name}" for v in var_list] + ["loss"]
+    # Assert escapes quotes in the strings it prints: the names go unquoted.
+    message = (f"{label}: {HALTED}: that step and those after it were not applied, the steps "
+               f"before it were (nonfinite=skip skips such steps). [the step, its non-finite "
+               f"value ({', '.join(f'{k + 1}: {w}' for k, w in enumerate(whats))}), the steps "
+               f"run] =")
+    return tf.debugging.Assert(ok, [message, halted], name="check_finite")
 
-    def fail():
-        # Assert escapes quotes in the strings it prints: the names go unquoted.
-        whats = tf.constant([f"gradient for variable {v.op.name}" for v in var_list] + ["loss"])
-        message = tf.strings.join([
-            f"{label}: inner step ", tf.strings.as_string(at[0]), " has a non-finite ",
-            tf.gather(whats, tf.maximum(at[1] - 1, 0)),
-            "; that step and those after it were not applied (unrolled, their update ops, "
-            "such as moving statistics, still ran), the steps before it were "
-            "(nonfinite=skip skips such steps)"])
-        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
-            return tf.constant(False)
 
-    return tf.cond(tf.equal(at[0], 0), lambda: tf.constant(True), fail, name="check_finite").op
+HALTED = "a step had a non-finite value and halted the run"
+
+
+def halt_message(label, var_list, message):
+    """The message of ``raise_if_halted``'s error as a ``CheckNumerics`` gives it unrolled
+    (``Unrolled.run`` raises it), or None for another error."""
+    found = re.search(rf"{re.escape(label)}: {HALTED}: .*? =\] \[(\d+) (\d+) \d+\]", message)
+    if found is None:
+        return None
+    whats = [f"gradient for variable {v.op.name}" for v in var_list] + ["loss"]
+    step, which = int(found.group(1)), int(found.group(2))
+    return (f"{label}: inner step {step} has a non-finite {whats[which - 1]}; that step and "
+            f"those after it were not applied (unrolled, their update ops, such as moving "
+            f"statistics, still ran), the steps before it were (nonfinite=skip skips such "
+            f"steps)")
 
 
 def _all_finite(tensors):

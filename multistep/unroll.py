@@ -131,7 +131,8 @@ class Unrolled:
             raise InputExhaustedError(exhausted_message(self, session, error), error,
                                       losses) from error
         except tf.errors.InvalidArgumentError as error:
-            named = _nonfinite_named(self.name, error)
+            named = (_nonfinite_named(self.name, error)
+                     or step_lib.halt_message(self.name, self.var_list, error.message))
             if named is None:
                 raise
             raise type(error)(error.node_def, error.op, named) from error
@@ -399,11 +400,9 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         run_length = (make_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
         feed.check_lengths(steps, run_length.read if run_length is not None else None)
-        if xla and nonfinite == "raise":  # XLA compiles CheckNumerics to nothing: halt instead
-            step.halted = tf.compat.v1.Variable(
-                [0, 0, 0], dtype=tf.int32, trainable=False, use_resource=True, name="halted",
-                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-        step.xla = xla
+        # XLA compiles CheckNumerics to nothing: halt instead, and raise after the program
+        step.halts = xla and nonfinite == "raise"
+        step.xla, step.looped = xla, mode == "while_loop"
         before = set(graph.get_operations())
         started = time.perf_counter()
         # Under XLA the step is built in an XLA context, as a compiled function's body is:
@@ -438,13 +437,15 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             placeholder: (first, following) for placeholder, first, following in zip(
                 tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
                 tf.nest.flatten(step.next_carry))}
+        carry_links = list(links)
+        if step.halts:  # the halt state, carried as carry= is: the last of the links
+            links.update(zip(step.halt["in"], zip([tf.constant(True), tf.constant([0, 0, 0])],
+                                                  step.halt["out"])))
         keys = list(outputs)
-        reset = (step.halted.assign([0, 0, 0], read_value=False)
-                 if step.halted is not None else None)
 
-        def finish(end):  # after an XLA program: raise if a step halted it
+        def finish(end, carried):  # after an XLA program: raise if a step halted it
             with tf.control_dependencies([end]):
-                return step_lib.raise_if_halted(step.halted, step.var_list, label)
+                return step_lib.raise_if_halted(*carried[-2:], step.var_list, label)
         # One step: the step itself, whatever the mode (the single step that ms.verify
         # compares each step of a loop with).
         compiled = _compiled(
@@ -452,7 +453,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             mode if steps > 1 else "unrolled", given=given, links=links, run_length=run_length,
             done=run_length.done if run_length is not None else None, xla=xla,
             strip=[(prefix, label)],
-            before=reset, finish=finish if step.halted is not None else None)
+            finish=finish if step.halts else None,
+            stop=step.halt["in"][0] if step.halts else None)
         values = dict(zip(keys, compiled.values))
         if mode == "unrolled" and steps > 1:
             _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label)
@@ -465,7 +467,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         _warn_racing(graph, graph.get_operations()[first_op:], label)
     return Unrolled(train_op=train_op, losses=losses, steps=steps,
                     summaries=values.pop("summary", None),
-                    carry=(tf.nest.pack_sequence_as(step.initial_carry, compiled.carried)
+                    carry=(tf.nest.pack_sequence_as(step.initial_carry,
+                                                    compiled.carried[:len(carry_links)])
                            if step.carries else None),
                     carry_in=step.initial_carry if step.carries else None,
                     var_list=tuple(step.var_list), name=label, records=values,

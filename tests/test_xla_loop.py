@@ -131,3 +131,84 @@ def test_the_xla_loops_step_body_touches_no_buffer_past_512_bytes(tmp_path):
                  for kind, dims in re.findall(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]", body)]
         assert max(sizes) <= 512, (name, max(sizes))
         assert f"f32[{CHUNK}]" in body, name
+        # nonfinite="raise" (ms.unroll's): the apply is kept or not by a select that XLA
+        # fuses into it, not a conditional that copies the state in and out each step
+        assert " conditional(" not in body, name
+
+
+def test_a_runs_host_work_is_the_xla_call_and_a_handful_of_nodes():
+    """Around the XLA program a run of loop mode (nonfinite="raise") runs only: the variables'
+    handles, the run length's read (a cond on whether it is initialised), the halt check (an
+    Assert of the program's outputs and its message: no variable to reset or read, no string
+    built) and the losses' slice (and its start) and name. The program's outputs have static
+    shapes: a slice to the steps made inside it is an output of dynamic shape, which cost 17
+    µs a call on blobs. A halt still names the step and the value, as unrolled mode does."""
+    with tf.Graph().as_default() as graph:
+        unrolled = ms.unroll(_loss_fn, V1.train.AdamOptimizer(0.01), 10, mode="while_loop",
+                             xla=True, global_step=V1.train.get_or_create_global_step())
+        [call] = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+        assert all(t.shape.is_fully_defined() for t in call.outputs), call.outputs
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            unrolled.run(sess)
+            metadata = V1.RunMetadata()
+            sess.run(unrolled.losses, options=V1.RunOptions(trace_level=V1.RunOptions.FULL_TRACE),
+                     run_metadata=metadata)
+    ran = {n.node_name for d in metadata.step_stats.dev_stats for n in d.node_stats}
+    types = {name: graph.get_operation_by_name(name).type for name in ran
+             if name in {op.name for op in graph.get_operations()}}
+    around = {name: kind for name, kind in types.items()
+              if kind not in ("VarHandleOp", "StatefulPartitionedCall")
+              and "/steps_per_run/" not in name}
+    assert sorted(around.values()) == ["Assert", "Const", "Const", "Identity", "Slice"], around
+
+
+def test_a_halted_loop_stops_after_the_step_that_halted_it():
+    """nonfinite="raise" under XLA, loop mode: the step with a non-finite value runs its
+    update ops (a single step runs them before its check raises) and applies nothing, and
+    the loop stops there: the later steps' update ops do not move the moving statistic.
+    Against canonical single steps (minimize under UPDATE_OPS): two steps, then the third
+    batch's update op alone. (Before, the loop ran to its end: the moving mean took
+    steps 4 and 5 too.)"""
+    batches = np.arange(10, dtype=np.float32).reshape(5, 2)
+    batches[2, 1] = np.inf  # step 3's loss and gradient are infinite
+
+    def model(x):
+        w = V1.get_variable("w", initializer=np.ones([2], np.float32))
+        moving = V1.get_variable("moving", initializer=0.0, trainable=False)
+        V1.add_to_collection(V1.GraphKeys.UPDATE_OPS,
+                             moving.assign(0.5 * moving + 0.5 * tf.reduce_mean(x[:1])))
+        return tf.reduce_sum(tf.square(w * x))
+
+    def state(sess):
+        return {v.op.name: sess.run(v) for v in V1.global_variables()}
+
+    with tf.Graph().as_default():
+        xs = V1.placeholder(tf.float32, [5, 2])
+        unrolled = ms.unroll(model, V1.train.AdamOptimizer(0.1), 5, inputs=xs,
+                             mode="while_loop", xla=True,
+                             global_step=V1.train.get_or_create_global_step())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match="inner step 3 has a non-finite gradient for variable w"):
+                unrolled.run(sess, {xs: batches})
+            got = state(sess)
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [2])
+        loss = model(x)
+        updates = V1.get_collection(V1.GraphKeys.UPDATE_OPS)
+        with tf.control_dependencies(updates):
+            train = V1.train.AdamOptimizer(0.1).minimize(
+                loss, global_step=V1.train.get_or_create_global_step())
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            for batch in batches[:2]:
+                sess.run(train, {x: batch})
+            sess.run(updates, {x: batches[2]})
+            want = state(sess)
+    assert sorted(got) == sorted(want)
+    assert got["global_step"] == 2 and got["moving"] == want["moving"]
+    for name in want:  # XLA against plain kernels: the weights within Adam's rounding
+        # (two steps of ~20 float32 roundings each on values of order 1: 2 * 20 * 1.2e-7)
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=5e-6, err_msg=name)
