@@ -9,18 +9,22 @@ Models (TF1 graph mode, Adam, full batch held in the graph):
   updated through UPDATE_OPS, as a single step runs them), batch 128;
 - `convnet`: the TF1 MNIST tutorial's shape, smaller: two 5x5 convolutions (16, 32
   channels) each with ReLU and 2x2 max pooling, a dense layer of 128, batch 32 of
-  28x28x1 (oneDNN's convolution and pooling kernels: loop mode must run the same).
+  28x28x1 (oneDNN's convolution and pooling kernels: loop mode must run the same);
+- `blobs`: `multistep bench`'s problem, 50 points in 2-D and one dense layer.
 
 Methods, each run through `make_callable`, interleaved round by round in one process:
 - `single`: the canonical single step (`minimize` under UPDATE_OPS), N calls;
 - `ms.unroll auto`: `ms.unroll(..., mode="auto")`, what it picks for the model;
 - `ms.unroll`: `ms.unroll` unrolled (the default mode); `ms.unroll loop`: its loop mode;
+  `ms.unroll loop+xla`: loop mode under XLA (the three modes `mode="auto"` times);
 - `compile loop` / `compile unrolled`: the single step above, `ms.compile`d;
 - `empty call`: a call that fetches a constant and a `tf.no_op` (as the single step
   fetches a loss and an op), once a step: what a `sess.run` costs beyond its kernels,
   which fusing removes (the steps' kernels are the same).
 Prints µs per step (median of the rounds) and single / fused: above 1 is faster fused
-(the best fused method's, and `mode="auto"`'s as the median of the rounds' own ratios).
+(the best fused method's, and `mode="auto"`'s as the median of the rounds' own ratios),
+and auto against the fastest of the modes it times (the median of the rounds' auto /
+fastest: above 1 is auto slower) with its build time beside its mode's built directly.
 With `empty call` measured, also what removing the calls' own cost alone gives (the
 fused run's kernels are the single step's): single / (single - empty call * (1 - 1/N)),
 one call of N steps staying. A ratio far from it comes from elsewhere: the machine's
@@ -138,8 +142,19 @@ def convnet():
     return loss_fn
 
 
+def blobs():
+    """multistep blobs' problem (`multistep bench`'s): 50 points in 2-D, one dense layer."""
+    from multistep.blobs import data
+
+    x, y = data(0)
+
+    def loss_fn():
+        return _xent(_dense(tf.constant(x), 2, "dense"), y)
+    return loss_fn
+
+
 MODELS = {"mlp": mlp, "autoencoder": autoencoder, "lstm": lstm, "bn_mlp": bn_mlp,
-          "convnet": convnet}
+          "convnet": convnet, "blobs": blobs}
 
 
 def _single_step(loss_fn):
@@ -160,9 +175,10 @@ def build(method, model, steps):
             loss, train = _single_step(loss_fn)
             fetch, calls, mode = [loss, train], steps, "single"
         elif method.startswith("ms.unroll"):
-            mode = {"ms.unroll auto": "auto", "ms.unroll loop": "while_loop"}.get(method,
-                                                                              "unrolled")
-            fused = ms.unroll(loss_fn, V1.train.AdamOptimizer(1e-3), steps, mode=mode)
+            mode = {"ms.unroll auto": "auto", "ms.unroll loop": "while_loop",
+                    "ms.unroll loop+xla": "while_loop"}.get(method, "unrolled")
+            fused = ms.unroll(loss_fn, V1.train.AdamOptimizer(1e-3), steps, mode=mode,
+                              xla=method.endswith("+xla"))
             fetch, calls, mode = fused.losses, 1, fused.mode
         else:
             mode = method.split()[1]
@@ -173,8 +189,10 @@ def build(method, model, steps):
     return graph, init, fetch, calls, mode
 
 
-METHODS = ("single", "ms.unroll auto", "ms.unroll", "ms.unroll loop", "compile loop",
-           "compile unrolled", "empty call")
+METHODS = ("single", "ms.unroll auto", "ms.unroll", "ms.unroll loop", "ms.unroll loop+xla",
+           "compile loop", "compile unrolled", "empty call")
+# What mode="auto" chooses among (unrolled up to N = 64): its choice against the fastest.
+AUTO_CHOICES = ("ms.unroll", "ms.unroll loop", "ms.unroll loop+xla")
 
 
 def main():
@@ -190,9 +208,11 @@ def main():
           + "   single / best fused (mode)")
     for model in args.models:
         for steps in args.steps:
-            runners, modes = {}, {}
+            runners, modes, built = {}, {}, {}
             for method in args.methods:
+                started = time.perf_counter()
                 graph, init, fetch, calls, modes[method] = build(method, model, steps)
+                built[method] = time.perf_counter() - started
                 sess = V1.Session(graph=graph)
                 sess.run(init)
                 call = sess.make_callable(fetch)
@@ -222,6 +242,17 @@ def main():
                 paired = statistics.median(  # back to back, so the machine's drift cancels
                     s / a for s, a in zip(samples["single"], samples["ms.unroll auto"]))
                 ratio += f"; auto ({modes['ms.unroll auto']}) {paired:.2f}x paired"
+            choices = [m for m in AUTO_CHOICES if m in us]
+            if "ms.unroll auto" in us and choices:  # auto against the fastest it could build
+                fastest = min(choices, key=us.get)
+                paired = statistics.median(
+                    a / f for a, f in zip(samples["ms.unroll auto"], samples[fastest]))
+                chose = {"auto": None, "unrolled": "ms.unroll", "while_loop": "ms.unroll loop",
+                         "while_loop+xla": "ms.unroll loop+xla"}.get(modes["ms.unroll auto"])
+                ratio += (f"; auto / fastest mode ({fastest}) {paired:.3f} paired; auto's build "
+                          f"{built['ms.unroll auto']:.1f} s"
+                          + (f" against {built[chose]:.1f} s for its mode" if chose in built
+                             else ""))
             if "single" in us and "empty call" in us:
                 most = us["single"] / (us["single"] - us["empty call"] * (1 - 1 / steps))
                 ratio += f"; the calls alone: {most:.3f}x"

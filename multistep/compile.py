@@ -29,7 +29,7 @@ from multistep import feeds as feeds_lib
 from multistep.feeds import per_step_input, per_step_placeholders, prepared
 from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
                             template_of)
-from multistep.placement import PLACEHOLDERS, STATE_OWNERS, placement
+from multistep.placement import STATE_OWNERS, placement
 from multistep.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError, callable_for,
                             exhausted_message, failed_message, per_step_values)
 

@@ -1,20 +1,13 @@
 """What the single step's ``loss_fn`` call sees of the graph: names, scopes, collections.
 
 The step is built under ``multistep/step/``: its summaries are retagged with the tags a
-single step's have, the graph collections it adds to are read, and ``mode="auto"``,
-which traces the step once under XLA before building it, puts back the counters that
-number unnamed layers and variable scopes and reuses the variables of the trace.
+single step's have, and the graph collections it adds to are read.
 """
-
-import contextlib
-import dataclasses
-import sys
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import variable_scope as variable_scope_lib  # the scope counters
 
-__all__ = ["NameCounters", "op_collections_of", "retag", "reuse_variables"]
+__all__ = ["op_collections_of", "retag"]
 
 
 def retag(summaries, scope):
@@ -46,14 +39,6 @@ def retag(summaries, scope):
             op._update_input(0, tf.constant(retagged, dtype=tf.string, name="tag"))
 
 
-def reuse_variables(reuse):
-    """From step 2 on, ``get_variable`` returns the variables step 1 made."""
-    if not reuse:
-        return contextlib.nullcontext()
-    return tf.compat.v1.variable_scope(
-        tf.compat.v1.get_variable_scope(), reuse=True, auxiliary_name_scope=False)
-
-
 # Collections of variables, and of other things than ops and tensors.
 _VARIABLE_COLLECTIONS = frozenset({
     tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
@@ -69,50 +54,3 @@ def op_collections_of(graph):
     return [key for key in graph.get_all_collection_keys()
             if isinstance(key, str) and key not in _VARIABLE_COLLECTIONS
             and not any(type(x).__name__.endswith("Context") for x in graph.get_collection(key))]
-
-
-@dataclasses.dataclass(frozen=True)
-class NameCounters:
-    """The per-graph counters that number unnamed layers and variable scopes.
-
-    An unnamed ``tf.compat.v1.layers.dense`` (tf-keras) or a
-    ``variable_scope(None, default_name="block")`` takes the next free name
-    (``dense``, ``dense_1``, ...) each time it is called. ``mode="auto"`` calls
-    ``loss_fn`` twice (a trial under XLA, then the build): the build runs with the
-    counters as the trial found them, so it asks for the trial's names and reuses
-    its variables.
-    """
-
-    keras_uids: dict
-    scope_counts: dict
-
-    @staticmethod
-    def _keras_uid_map():
-        backend = sys.modules.get("tf_keras.src.backend")  # only if tf-keras is in use
-        return backend.get_default_graph_uid_map() if backend is not None else None
-
-    @classmethod
-    def read(cls):
-        uids = cls._keras_uid_map()
-        return cls(dict(uids) if uids is not None else {},
-                   dict(variable_scope_lib.get_variable_scope_store().variable_scopes_count))
-
-    def write(self):
-        uids = self._keras_uid_map()
-        if uids is not None:
-            uids.clear()
-            uids.update(self.keras_uids)
-        counts = variable_scope_lib.get_variable_scope_store().variable_scopes_count
-        counts.clear()
-        counts.update(self.scope_counts)
-
-    @contextlib.contextmanager
-    def restored(self):
-        after = NameCounters.read()
-        self.write()
-        try:
-            yield
-        finally:
-            after.write()
-
-

@@ -57,9 +57,9 @@ class Step:
     halt: object = None  # then {"in": (ok, halted) placeholders, "out": (ok, halted) tensors}
     xla: bool = False  # built to run in an XLA program (_apply_where, a halt state)
     looped: bool = False  # built as a loop's body (mode="while_loop")
+    forward: tuple = None  # after build: (loss, summaries, update ops): build_compiled's
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
-    rebuild: bool = False  # traced before (mode="auto"): its variables exist
     before_apply: list = None  # the loss, outputs and gradients
     apply_scope: str = None  # the apply name scope
     summarized: bool = False  # loss_fn built tf.summary ops (outputs["summary"])
@@ -80,8 +80,7 @@ class Step:
         first_op, created = len(graph.get_operations()), len(self.guard.created)
         keys = scopes.op_collections_of(graph)
         start = {key: len(graph.get_collection(key)) for key in keys}
-        with (self.guard.scope("forward") as forward_scope,
-              scopes.reuse_variables(self.rebuild)):
+        with self.guard.scope("forward") as forward_scope:
             if self.carries:
                 loss = self._carrying(args, carry)
             else:
@@ -108,7 +107,35 @@ class Step:
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=1)
+        self.forward = (loss, extra, run_first)
         return outputs, end
+
+    def build_compiled(self):
+        """After ``build``: its forward pass descended again as a step of an XLA loop
+        (``xla``, ``looped``: ``_apply_where``, the halt state), for ``mode="auto"`` to
+        time beside the plain step without calling ``loss_fn`` again. Returns (outputs,
+        end, halt) as ``build``'s and ``halt``'s; the descent ``ms.unroll`` does not
+        choose stays in the graph, never run. Raises what the descent raises (ref
+        variables: ``check_capturable``)."""
+        loss, extra, run_first = self.forward
+        graph = tf.compat.v1.get_default_graph()
+        first_op, created = len(graph.get_operations()), len(self.guard.created)
+        saved = self.xla, self.looped, self.halts, self.before_apply, self.apply_scope
+        self.xla = self.looped = True
+        self.halts = self.nonfinite == "raise"
+        try:
+            with tf.control_dependencies(run_first):
+                outputs, end = self._descend(loss, extra)
+            halt = self.halt
+        finally:
+            self.xla, self.looped, self.halts, self.before_apply, self.apply_scope = saved
+            self.halt = None
+        ops = graph.get_operations()[first_op:]
+        _refuse_gradients_reading_updates(ops, run_first, self.label)
+        self.written.update(lint.written_variables(ops))
+        lint.check_dangling(ops, end, exempt=_initializers(self.guard.created[created:]),
+                            name=self.label, step=1)
+        return outputs, end, halt
 
     def _carrying(self, args, carry):
         """``loss_fn(*args, carry) -> (loss, next carry)``; returns the loss and keeps the
@@ -391,11 +418,6 @@ class Step:
         applied, *carried = tf.cond(finite, apply, skip, name=_IF_FINITE)
         return applied, carried
 
-    @staticmethod
-    def names_now():
-        """The layer and variable-scope name counters now (``.write()`` puts them back)."""
-        return scopes.NameCounters.read()
-
     def state(self):
         """The variables the steps train and count: weights, optimizer slots, global step,
         skip counter (``written`` has every variable a step writes, these and others)."""
@@ -648,15 +670,13 @@ class CreationGuard:
 
     Variables made in the step (by the model, Keras layers or the optimizer) are
     created with the step's name scope stripped, so they get exactly the names of a
-    single-step graph of the same model; ``lift``: the step is traced in a compiled
-    program (``mode="auto"``'s trial), and they are made in the graph.
+    single-step graph of the same model.
     """
 
     def __init__(self, graph):
         self.graph = graph
         self.base = graph.get_name_scope()
         self.created = []  # every variable made under this guard, in order
-        self.lift = False  # True: the step is traced in a compiled program (mode="auto")
         self.step_prefix = None  # the step's name scope ("multistep/step/")
         self._prefix = None
 
@@ -683,17 +703,13 @@ class CreationGuard:
         current = tf.compat.v1.get_default_graph().get_name_scope()
         current = current + "/" if current else ""
         if self._prefix is None or not current.startswith(self._prefix):
-            where = current if self.lift else None  # None: where it is asked for
+            where = None  # where it is asked for
         else:
             rest = current[len(self._prefix):]
             if rest.startswith(_IF_FINITE + "/"):
                 rest = rest[len(_IF_FINITE) + 1:]
             where = (self.base + "/" if self.base else "") + rest
-        if self.lift:  # traced in a compiled program: made in this graph, not the program's
-            kwargs["experimental_enable_variable_lifting"] = False  # a plain variable (tf.function)
-            with tf.init_scope(), self.graph.name_scope(where):
-                variable = next_creator(**kwargs)
-        elif where is None:
+        if where is None:
             variable = next_creator(**kwargs)
         else:
             with self.graph.name_scope(where):

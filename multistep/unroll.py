@@ -76,8 +76,9 @@ class Unrolled:
       summaries: string ``[N]``: each inner step's ``tf.summary`` ops that ``loss_fn``
         built, merged (a serialized ``Summary`` a step; ``ms.hooks.StepSummaryHook``
         writes each at its step's global step); None if it built none.
-      why: with ``mode="auto"``, why it did not choose ``"while_loop+xla"`` (the op
-        without an XLA kernel, the ref variables, ...); else None.
+      why: with ``mode="auto"``, how it chose: each mode's measured µs a run, and why
+        it did not time the others (an op without an XLA kernel, ref variables, ...);
+        else None.
     """
 
     train_op: tf.Operation
@@ -232,10 +233,13 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         ``tf.while_loop`` body run N times (graph size independent of N; one kernel of a
         stateful random op draws the single steps' stream; ref variables need v1
         control flow).
-        ``"auto"``: ``"while_loop"`` with XLA (``xla`` is then ignored) when the step
-        compiles under XLA, tried at build time; else ``"unrolled"`` without XLA, and
-        ``Unrolled.why`` says why (an op without an XLA kernel, ref variables, a
-        ``tf.data`` iterator input, a replica context). ``Unrolled.mode`` says which.
+        ``"auto"`` (``xla`` is then ignored): the fastest of ``"unrolled"`` (N up
+        to 64), ``"while_loop"`` and ``"while_loop"`` under XLA, by measurement at build
+        time: each is built in a scratch copy of the graph and run in a scratch session,
+        in interleaved rounds (about 1 to 10 s, most of it XLA compiling; ``loss_fn`` is
+        called once). ``Unrolled.mode`` says which; ``Unrolled.why`` gives the figures and
+        why a mode was not timed (an op without an XLA kernel, ref variables, ...). Over
+        a ``tf.data`` iterator or in a replica context nothing is timed: ``"unrolled"``.
       xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
         called from the graph; the single step is built in an XLA context). Bitwise
         equal to N runs of the single-step XLA program (``steps=1, xla=True``;
@@ -391,12 +395,13 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 0, dtype=tf.int64, trainable=False, use_resource=True, name="skipped_steps",
                 collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
         feed = Inputs(inputs, steps, xla=xla and mode != "auto")
-        why = None
+        why, timed = None, False
         if mode == "auto" and _FORCED_XLA:  # ms.verify(..., xla=True): compiled, in a loop
             mode = "while_loop"
         elif mode == "auto":
-            mode, xla, why = auto.choose(step, feed, label,
-                                         in_replica_context=step_lib.in_replica_context())
+            why = auto.untimed(feed, in_replica_context=step_lib.in_replica_context())
+            timed = why is None  # the plain step and an XLA loop's, each mode's program timed
+            mode, xla = "while_loop" if timed else "unrolled", False
         run_length = (make_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
         feed.check_lengths(steps, run_length.read if run_length is not None else None)
@@ -414,12 +419,63 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 lambda t: tf.compat.v1.placeholder(t.dtype, t.shape, name="carry_in"),
                 step.initial_carry)
             outputs, end = step.build(args, carry_in)
+            forms = {"plain": (outputs, end, None)}
+            refused = {}
+            if timed and after_apply is not None:  # (it would be called a second time)
+                refused["while_loop+xla"] = "after_apply: auto builds one descent with it"
+            elif timed and step.summarized:
+                refused["while_loop+xla"] = "loss_fn builds tf.summary ops (string ops)"
+            elif timed:
+                try:
+                    with _xla_context(True):
+                        forms["xla"] = step.build_compiled()
+                except (TypeError, ValueError) as error:  # (ref variables)
+                    refused["while_loop+xla"] = str(error).split("\n")[0]
         step_seconds = time.perf_counter() - started
         watched = {**lint.watched_variables(step.state()), **step.written}
+        carry_links = {} if carry_in is None else {
+            placeholder: (first, following) for placeholder, first, following in zip(
+                tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
+                tf.nest.flatten(step.next_carry))}
+
+        def program(mode, xla, form, find=lambda x: x, run_length=None):
+            """(the outputs' keys, ``_compiled`` of ``form``, (outputs, end, halt), in
+            ``mode``); ``find``: a tensor's copy in the graph it is built in (auto's
+            trials)."""
+            outputs, end, halt = form
+            links = {find(p): (find(first), find(following))
+                     for p, (first, following) in carry_links.items()}
+            if halt is not None:  # the halt state, carried as carry= is: the last links
+                links.update(zip(map(find, halt["in"]), zip(
+                    [tf.constant(True), tf.constant([0, 0, 0])], map(find, halt["out"]))))
+
+            def finish(end, carried):  # after an XLA program: raise if a step halted it
+                with tf.control_dependencies([end]):
+                    return step_lib.raise_if_halted(*carried[-2:], step.var_list, label)
+            if mode == "while_loop" and run_length is None:
+                run_length = make_run_length(steps, count_done=feed.iterator is not None)
+            keys = list(outputs)
+            # One step: the step itself, whatever the mode (the single step that ms.verify
+            # compares each step of a loop with).
+            return keys, _compiled(
+                step_lib.in_replica_context(), [find(outputs[key]) for key in keys] + [find(end)],
+                steps, label, mode if steps > 1 else "unrolled",
+                given={find(p): find(t) for p, t in given.items()}, links=links,
+                run_length=run_length, done=run_length.done if run_length is not None else None,
+                xla=xla, strip=[(prefix, label)], finish=finish if halt is not None else None,
+                stop=find(halt["in"][0]) if halt is not None else None)
+
         if step_lib.in_replica_context():  # the replicas' steps, built in turns, are one step
             base = re.sub(r"^replica_\d+/", "", label) + "/step/"
             before = {op for op in before
                       if not re.sub(r"^replica_\d+/", "", op.name).startswith(base)}
+        if timed:
+            trial = time.perf_counter()
+            mode, xla, why = _timed(step, graph, forms, refused, steps, label, program)
+            started += time.perf_counter() - trial  # (the slow-build warning: not the trial)
+            outputs, end, step.halt = forms["xla" if xla else "plain"]
+            step.halts, step.xla, step.looped = step.halt is not None, xla, mode == "while_loop"
+            run_length = run_length if mode == "while_loop" else None
         if steps > 1:
             lint.check_built_outside(end, before, watched, name=label, loop=mode == "while_loop")
         if xla and step.summarized:
@@ -433,28 +489,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             lint.warn_stateful_random(end, name=label)  # the single steps' stream)
         if mode == "unrolled" and steps > 1:
             check_graph_size(graph, lambda op: op not in before, steps, label)
-        links = {} if carry_in is None else {
-            placeholder: (first, following) for placeholder, first, following in zip(
-                tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
-                tf.nest.flatten(step.next_carry))}
-        carry_links = list(links)
-        if step.halts:  # the halt state, carried as carry= is: the last of the links
-            links.update(zip(step.halt["in"], zip([tf.constant(True), tf.constant([0, 0, 0])],
-                                                  step.halt["out"])))
-        keys = list(outputs)
-
-        def finish(end, carried):  # after an XLA program: raise if a step halted it
-            with tf.control_dependencies([end]):
-                return step_lib.raise_if_halted(*carried[-2:], step.var_list, label)
-        # One step: the step itself, whatever the mode (the single step that ms.verify
-        # compares each step of a loop with).
-        compiled = _compiled(
-            step_lib.in_replica_context(), [outputs[key] for key in keys] + [end], steps, label,
-            mode if steps > 1 else "unrolled", given=given, links=links, run_length=run_length,
-            done=run_length.done if run_length is not None else None, xla=xla,
-            strip=[(prefix, label)],
-            finish=finish if step.halts else None,
-            stop=step.halt["in"][0] if step.halts else None)
+        keys, compiled = program(mode, xla, (outputs, end, step.halt), run_length=run_length)
         values = dict(zip(keys, compiled.values))
         if mode == "unrolled" and steps > 1:
             _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label)
@@ -476,6 +511,34 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     steps_per_run=run_length.variable if run_length else None,
                     mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length,
                     _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")))
+
+
+def _timed(step, graph, forms, refused, steps, label, program):
+    """``mode="auto"``: (mode, xla, why) of the fastest program of the step's ``forms``
+    (``auto.choose``): unrolled (up to ``auto.MOST_UNROLLED_STEPS``), loop mode, and loop
+    mode under XLA where the step's XLA form was built."""
+    candidates = ["while_loop+xla"] if "xla" in forms else []
+    candidates.append("while_loop")
+    if steps <= auto.MOST_UNROLLED_STEPS:
+        candidates.append("unrolled")
+    else:
+        refused["unrolled"] = f"N > {auto.MOST_UNROLLED_STEPS}: N copies to build"
+    created = len(step.guard.created)
+
+    def build(name, find):
+        mode, xla = name.split("+")[0], name.endswith("+xla")
+        if mode == "while_loop" and steps > 1:
+            step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=xla)
+        with tf.compat.v1.name_scope(label + "/"):
+            keys, compiled = program(mode, xla, forms["xla" if xla else "plain"], find)
+        return compiled.values[keys.index("loss")]
+
+    try:
+        chosen, why = auto.choose(graph, candidates, build, label, steps, refused=refused)
+    finally:
+        del step.guard.created[created:]  # (the trials' variables, in their own graphs)
+    mode, xla = chosen.split("+")[0], chosen.endswith("+xla")
+    return mode, xla, why
 
 
 def _compiled(replicated, roots, steps, label, mode, *, given, strip, **options):

@@ -238,10 +238,15 @@ def _verify(build_fn, steps, runs, atol, config, progress, explain, xla):
     compiled = forced_xla(True) if xla else contextlib.nullcontext()
     with compiled:
         fused = _Program(build_fn, steps, config)
+        # mode="auto" chooses by timing, in each build: the single step is built as the
+        # fused program's steps were, under XLA or not, whatever a 1-step build would pick.
+        alike = (forced_xla(fused.mode.endswith("+xla")) if not xla and fused.mode
+                 else contextlib.nullcontext())
         # ms.compile's program is checked against the program as written: its original
         # fetches, run by plain sess.run one step at a time, in a graph of their own.
-        single = _Program(build_fn, steps if fused.compiled else 1, config,
-                          as_written=fused.compiled)
+        with alike:
+            single = _Program(build_fn, steps if fused.compiled else 1, config,
+                              as_written=fused.compiled)
     plain = None
     if xla:
         with forced_xla(False):
@@ -365,6 +370,7 @@ class _Program:
             self.compiled = hasattr(unrolled, "feed_dict")
             self._translate = unrolled.feed_dict if self.compiled else (lambda feed: feed)
             self.label = getattr(unrolled, "name", "multistep")
+            self.mode = getattr(unrolled, "mode", None) or ""  # what was built ("+xla")
             self.variables = {_name(v): v for v in tf.compat.v1.global_variables()}
             self._placeholders, assigns = {}, []
             for name, v in self.variables.items():
