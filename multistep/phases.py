@@ -76,8 +76,8 @@ class Phased:
     def __init__(self, steps, names, order):
         self.steps, self.names, self.order = steps, names, order
         self.record = tuple(f"loss/{n}" for n in names)  # the per-step outputs besides "loss"
-        self.skipped = self.halted = self.next_carry = None
-        self.carries = self.xla = False
+        self.skipped = self.halt = self.next_carry = None
+        self.carries = self.xla = self.halts = False
 
     @property
     def guard(self):

@@ -445,13 +445,17 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             outputs, end, halt = form
             links = {find(p): (find(first), find(following))
                      for p, (first, following) in carry_links.items()}
+            looped = halt is not None and halt["in"][1].shape.rank == 0
             if halt is not None:  # the halt state, carried as carry= is: the last links
                 links.update(zip(map(find, halt["in"]), zip(
-                    [tf.constant(True), tf.constant([0, 0, 0])], map(find, halt["out"]))))
+                    [tf.constant(True), tf.constant(0 if looped else [0, 0, 0])],
+                    map(find, halt["out"]))))
 
             def finish(end, carried):  # after an XLA program: raise if a step halted it
+                made = None if not looped else (  # (the loop's steps: its first output)
+                    end.outputs[0] if mode == "while_loop" and steps > 1 else tf.constant([1]))
                 with tf.control_dependencies([end]):
-                    return step_lib.raise_if_halted(*carried[-2:], step.var_list, label)
+                    return step_lib.raise_if_halted(*carried[-2:], step.var_list, label, made)
             if mode == "while_loop" and run_length is None:
                 run_length = make_run_length(steps, count_done=feed.iterator is not None)
             keys = list(outputs)
