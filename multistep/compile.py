@@ -22,6 +22,7 @@ import warnings
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.ops import gen_lookup_ops  # the run length's table
 
 from multistep import auto, lint, tripwires
 from multistep import kernels as kernels_lib
@@ -70,30 +71,34 @@ def set_steps_per_run(program, session, n):
     session.run(program._run_length.assign, {program._run_length.value: int(n)})
 
 
-_RunLength = collections.namedtuple("_RunLength", "variable value assign read done")
+_RunLength = collections.namedtuple("_RunLength", "value assign read done")
 
 
 def make_run_length(steps, *, count_done):
     """Loop mode's run length, built with the graph (a finalized graph takes no new op):
-    the local int32 variable ``steps_per_run`` (initial value ``steps``), a feed and an
-    assign op that set it, and what the loop reads: the variable, or ``steps`` while it
-    is uninitialised (a session that ran only global_variables_initializer). With
-    ``count_done`` (a tf.data input, a queue, a check that can fail at any step), also a
-    local variable the loop sets to the steps ended so far in a run, for the message of
-    the error that stops a run midway."""
+    a one-entry hash table, which needs no initialiser (a new session, or one that ran
+    only ``global_variables_initializer``, reads its default ``steps``), a feed and an
+    insert op that set it, and ``read``, what the loop reads (``steps_per_run``: a
+    scalar int32 tensor). No checkpoint holds it and no variable reset touches it. (It
+    was a variable read through a ``tf.cond`` on whether it was initialised: 6 host
+    nodes, 1.22 against 1.16 µs a step on blobs at N = 100.) With ``count_done`` (a
+    tf.data input, a queue, a check that can fail at any step), also a local variable
+    the loop sets to the steps ended so far in a run, for the message of the error that
+    stops a run midway."""
     local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
-    variable = tf.compat.v1.Variable(steps, dtype=tf.int32, trainable=False, use_resource=True,
-                                     collections=[], name="steps_per_run")
-    with tf.compat.v1.name_scope(variable.op.name + "/"):
+    with tf.compat.v1.name_scope("steps_per_run") as scope:
+        table = gen_lookup_ops.mutable_hash_table_v2(  # (a resource of each session)
+            key_dtype=tf.int32, value_dtype=tf.int32, use_node_name_sharing=True,
+            name="table")
         value = tf.compat.v1.placeholder(tf.int32, [], name="value")
-        assign = variable.assign(value, read_value=False, name="set")
-        read = tf.cond(variable.is_initialized(), variable.read_value,
-                       lambda: tf.constant(steps), name="count")
+        assign = gen_lookup_ops.lookup_table_insert_v2(table, [0], [value], name="set")
+        read = gen_lookup_ops.lookup_table_find_v2(table, 0, steps, name=scope)
+        read.set_shape([])
     done = None
     if count_done:
         done = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
                                      collections=local, name="steps_done")
-    return _RunLength(variable, value, assign, read, done)
+    return _RunLength(value, assign, read, done)
 
 
 def positive_int(what, value):
@@ -347,7 +352,7 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         mode=mode + ("+xla" if xla else ""),
         global_step=_global_step(graph, built.copied),
         step_increment=_step_increment(graph, built.copied),
-        steps_per_run=built.run_length.variable if built.run_length is not None else None,
+        steps_per_run=built.run_length.read if built.run_length is not None else None,
         carry=list(built.carried) if links else None,
         carry_in=list(links) if links else None,
         _finals={initial: final for initial, (_, final) in links.items()},

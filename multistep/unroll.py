@@ -60,13 +60,11 @@ class Unrolled:
         steps skipped for non-finite values since ``local_variables_initializer()`` ran
         (a checkpoint does not hold it, so one written by single steps restores; a
         session that did not initialise it starts counting at the first skip); else None.
-      steps_per_run: loop mode (``mode="while_loop"``, with or without XLA): the
-        local int32 variable (``LOCAL_VARIABLES``, so never in a checkpoint)
-        whose value is the number of steps the next runs make, ``1..steps``;
-        its initial value is ``steps``. Set it with ``set_steps_per_run``.
-        ``local_variables_initializer`` (which MonitoredTrainingSession runs)
-        initialises it; until then the loop makes ``steps`` steps. Unrolled
-        mode: None (the graph holds exactly ``steps`` copies of the step).
+      steps_per_run: loop mode (``mode="while_loop"``, with or without XLA): a scalar
+        int32 tensor, the number of steps the next runs make, ``1..steps``: ``steps``
+        in a new session, until ``set_steps_per_run`` sets it (a one-entry hash table
+        of the session: no initialiser, no checkpoint, no variable reset touches it).
+        Unrolled mode: None (the graph holds exactly ``steps`` copies of the step).
       mode: what was built: ``"unrolled"``, ``"while_loop"``, ``"unrolled+xla"`` or
         ``"while_loop+xla"`` (with ``mode="auto"``, what it chose).
       carry: with ``carry=``, what the run's last step carried out (fetch it with the
@@ -512,7 +510,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     carry_in=step.initial_carry if step.carries else None,
                     var_list=tuple(step.var_list), name=label, records=values,
                     global_step=step.global_step, skipped_steps=step.skipped,
-                    steps_per_run=run_length.variable if run_length else None,
+                    steps_per_run=run_length.read if run_length else None,
                     mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length,
                     _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")))
 
