@@ -430,8 +430,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     ``random``: ``"refuse"`` (``ms.compile``'s: refuse stateful random ops in unrolled
     mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
     warns itself).
-    ``finish(end, carried)``: the op that ends the run, given the end of its last step and each
-    link's value after it; ``stop``: a bool link's placeholder, after whose step a loop
+    ``finish(end, carried)``: the op that ends the run, given the end of its last step and
+    each link's value after it; ``stop``: a bool link's placeholder, after whose step a loop
     stops once its value is False (a halt). ``dynamic``: the indices of tensor roots whose
     shape can differ from step to step (a short final batch): their values are a
     ``RaggedTensor`` ``[N, (d1), ...]`` (not under XLA, where shapes are static).
