@@ -417,7 +417,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 lambda t: tf.compat.v1.placeholder(t.dtype, t.shape, name="carry_in"),
                 step.initial_carry)
             outputs, end = step.build(args, carry_in)
-            forms = {"plain": (outputs, end, None)}
+            halt = step.halt  # (XLA, nonfinite="raise": the halt state; else None)
+            forms = {"plain": (outputs, end, halt)}
             refused = {}
             if timed and after_apply is not None:  # (it would be called a second time)
                 refused["while_loop+xla"] = "after_apply: auto builds one descent with it"
@@ -475,8 +476,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             trial = time.perf_counter()
             mode, xla, why = _timed(step, graph, forms, refused, steps, label, program)
             started += time.perf_counter() - trial  # (the slow-build warning: not the trial)
-            outputs, end, step.halt = forms["xla" if xla else "plain"]
-            step.halts, step.xla, step.looped = step.halt is not None, xla, mode == "while_loop"
+            outputs, end, halt = forms["xla" if xla else "plain"]
             run_length = run_length if mode == "while_loop" else None
         if steps > 1:
             lint.check_built_outside(end, before, watched, name=label, loop=mode == "while_loop")
@@ -491,7 +491,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             lint.warn_stateful_random(end, name=label)  # the single steps' stream)
         if mode == "unrolled" and steps > 1:
             check_graph_size(graph, lambda op: op not in before, steps, label)
-        keys, compiled = program(mode, xla, (outputs, end, step.halt), run_length=run_length)
+        keys, compiled = program(mode, xla, (outputs, end, halt), run_length=run_length)
         values = dict(zip(keys, compiled.values))
         if mode == "unrolled" and steps > 1:
             _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label)
@@ -528,7 +528,7 @@ def _timed(step, graph, forms, refused, steps, label, program):
     created = len(step.guard.created)
 
     def build(name, find):
-        mode, xla = name.split("+")[0], name.endswith("+xla")
+        mode, xla = _mode_of(name)
         if mode == "while_loop" and steps > 1:
             step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=xla)
         with tf.compat.v1.name_scope(label + "/"):
@@ -539,8 +539,12 @@ def _timed(step, graph, forms, refused, steps, label, program):
         chosen, why = auto.choose(graph, candidates, build, label, steps, refused=refused)
     finally:
         del step.guard.created[created:]  # (the trials' variables, in their own graphs)
-    mode, xla = chosen.split("+")[0], chosen.endswith("+xla")
-    return mode, xla, why
+    return (*_mode_of(chosen), why)
+
+
+def _mode_of(name):
+    """``Unrolled.mode``'s name (``"while_loop+xla"``) as (mode, xla)."""
+    return name.split("+")[0], name.endswith("+xla")
 
 
 def _compiled(replicated, roots, steps, label, mode, *, given, strip, **options):
