@@ -588,7 +588,9 @@ def _first(values, made, name):
         return tf.identity(values, name=name)
     rank = values.shape.rank
     size = made if rank == 1 else tf.concat([made, [-1] * (rank - 1)], 0)
-    return tf.slice(values, [0] * rank, size, name=name)
+    first = tf.slice(values, [0] * rank, size, name=name)
+    first.set_shape([None] + values.shape[1:].as_list())  # (a step's shape stays known)
+    return first
 
 
 def _graph_element(graph, item, index):

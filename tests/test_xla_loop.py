@@ -215,3 +215,23 @@ def test_a_halted_loop_stops_after_the_step_that_halted_it():
     for name in want:  # XLA against plain kernels: the weights within Adam's rounding
         # (two steps of ~20 float32 roundings each on values of order 1: 2 * 20 * 1.2e-7)
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=5e-6, err_msg=name)
+
+
+def test_a_loops_per_step_values_keep_a_steps_static_shape():
+    """The host takes the steps made out of the XLA program's whole arrays (a Slice of a
+    size known at run time): each step's shape stays in the values' static shape, and a
+    shortened run returns its steps' values."""
+    with tf.Graph().as_default():
+        w = V1.get_variable("w", initializer=np.ones([3, 2], np.float32))
+        loss = tf.reduce_sum(w * w)
+        grad = tf.gradients(loss, w)[0]
+        train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        fused = ms.compile([loss, grad, train], 200, xla=True)
+        assert fused.values[0].shape.as_list() == [None]
+        assert fused.values[1].shape.as_list() == [None, 3, 2]
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            fused.set_steps_per_run(sess, 130)
+            losses, grads, _ = fused.run(sess)
+    assert losses.shape == (130,) and grads.shape == (130, 3, 2)
+    assert grads[0].tolist() == [[2.0, 2.0]] * 3  # the first step's, from w = 1
