@@ -54,7 +54,7 @@ class Step:
     label: str = "multistep"
     skipped: object = None
     halts: bool = False  # xla=True, nonfinite="raise": halt (_halt_unless_finite)
-    halt: object = None  # then {"in": (ok, halted) placeholders, "out": (ok, halted) tensors}
+    halt: object = None  # then {"in"/"out": (ok, halted) placeholders/tensors, "looped"}
     xla: bool = False  # built to run in an XLA program (_apply_where, a halt state)
     looped: bool = False  # built as a loop's body (mode="while_loop")
     forward: tuple = None  # after build: (loss, summaries, update ops): build_compiled's
@@ -335,7 +335,7 @@ class Step:
         flags = tf.stack([_all_finite([v]) for v in values])
         which = tf.reduce_min(tf.where(flags, len(values), tf.range(len(values))))
         apply = tf.logical_and(ok, tf.reduce_all(flags))
-        self.halt = {"in": tuple(carried)}
+        self.halt = {"in": tuple(carried), "looped": self.looped}
         if self.looped:  # the loop stops after a halting step: its value is the last's
             self.halt["out"] = (tf.identity(apply, name="ok_out"),
                                 tf.identity(which + 1, name="halted_out"))
@@ -604,8 +604,7 @@ def raise_if_halted(ok, halted, var_list, label, made=None):
     and in loop mode ``made``, the steps the loop made, are outputs of the program). Two
     nodes on the host, an ``Assert`` and its message: it gives the step and the value by
     number, and ``halt_message`` the message a ``CheckNumerics`` gives unrolled."""
-    whats = [f"gradient for variable {v.op.name}" for v in var_list] + ["loss"]
-    # Assert escapes quotes in the strings it prints: the names go unquoted.
+    whats = _halt_values(var_list)
     message = (f"{label}: {HALTED}: that step and those after it were not applied, the steps "
                f"before it were (nonfinite=skip skips such steps). [the step, its non-finite "
                f"value ({', '.join(f'{k + 1}: {w}' for k, w in enumerate(whats))}); "
@@ -617,6 +616,13 @@ def raise_if_halted(ok, halted, var_list, label, made=None):
 HALTED = "a step had a non-finite value and halted the run"
 
 
+def _halt_values(var_list):
+    """What a halt's value index (from 1) names: the gradients, then the loss, as
+    ``_halt_unless_finite`` checks them. (Assert escapes quotes in the strings it
+    prints: the names go unquoted.)"""
+    return [f"gradient for variable {v.op.name}" for v in var_list] + ["loss"]
+
+
 def halt_message(label, var_list, message):
     """The message of ``raise_if_halted``'s error as a ``CheckNumerics`` gives it unrolled
     (``Unrolled.run`` raises it), or None for another error."""
@@ -624,8 +630,8 @@ def halt_message(label, var_list, message):
     if found is None:
         return None
     step, which = map(int, re.findall(r"\d+", found.group(1))[:2])
-    whats = [f"gradient for variable {v.op.name}" for v in var_list] + ["loss"]
-    return (f"{label}: inner step {step} has a non-finite {whats[which - 1]}; that step and "
+    return (f"{label}: inner step {step} has a non-finite "
+            f"{_halt_values(var_list)[which - 1]}; that step and "
             f"those after it were not applied (unrolled, their update ops, such as moving "
             f"statistics, still ran), the steps before it were (nonfinite=skip skips such "
             f"steps)")

@@ -444,7 +444,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             outputs, end, halt = form
             links = {find(p): (find(first), find(following))
                      for p, (first, following) in carry_links.items()}
-            looped = halt is not None and halt["in"][1].shape.rank == 0
+            looped = halt is not None and halt["looped"]
             if halt is not None:  # the halt state, carried as carry= is: the last links
                 links.update(zip(map(find, halt["in"]), zip(
                     [tf.constant(True), tf.constant(0 if looped else [0, 0, 0])],
