@@ -27,7 +27,8 @@ BENCH_PROBLEMS = ("blobs", "mlp")
 # The methods multistep.bench times, in its order (multistep.bench.METHODS has the code).
 BENCH_METHODS = ("sess.run x N", "make_callable x N", "unrolled", "unrolled+xla", "while_loop",
                  "while_loop+xla", "auto", "compile unrolled", "compile while_loop",
-                 "compile while_loop+xla", "tf1 xla loop (floor)", "tf.function", "tf.function+jit", "tf.function+jit+losses",
+                 "compile while_loop+xla", "tf1 xla loop (floor)", "tf1 xla loop+losses",
+                 "tf.function", "tf.function+jit", "tf.function+jit+losses",
                  "tf2 tf.function x N", "tf2 tf.function+jit x N", "ms.tf2.fuse",
                  "ms.tf2.fuse+jit", "keras spe=N", "keras spe=N+jit", "keras spe=N+StepHistory",
                  "jax fori_loop", "jax fori_loop+losses")

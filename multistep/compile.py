@@ -431,8 +431,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
     warns itself).
     ``finish(end, carried)``: the op that ends the run, given the end of its last step and
-    each link's value after it; ``stop``: a bool link's placeholder, after whose step a loop
-    stops once its value is False (a halt). ``dynamic``: the indices of tensor roots whose
+    each link's value after it; ``stop``: an int link's placeholder, after whose step a loop
+    stops once its value is not 0 (a halt). ``dynamic``: the indices of tensor roots whose
     shape can differ from step to step (a short final batch): their values are a
     ``RaggedTensor`` ``[N, (d1), ...]`` (not under XLA, where shapes are static).
 
@@ -663,7 +663,8 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
 
     def going(i, carried):  # whether the loop makes step i + 1
         more = i < count
-        return more if stop is None else tf.logical_and(more, carried[placeholders.index(stop)])
+        return more if stop is None else tf.logical_and(
+            more, tf.equal(carried[placeholders.index(stop)], 0))
 
     def body(i, arrays, carried, offset=None):  # (offset: the index of arrays[0] in the run)
         # v1 control flow: the body is built under the loop's scope; v2: in a function

@@ -155,8 +155,9 @@ class Unrolled:
         No rebuild and no new op: it runs an assign op built by ``ms.unroll``, so
         it works on a finalized graph (MonitoredTrainingSession) and through a
         ``MonitoredSession`` as well as a plain ``Session``. ``losses`` and
-        ``records`` then hold ``n`` values. The value is a local variable: a new
-        session starts again from ``steps``.
+        ``records`` then hold ``n`` values. The value lives in the session (a one-entry
+        table, in no checkpoint, untouched by a variable reset): a new session starts
+        again from ``steps``.
         """
         set_steps_per_run(self, session, n)
 
@@ -447,14 +448,15 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             looped = halt is not None and halt["looped"]
             if halt is not None:  # the halt state, carried as carry= is: the last links
                 links.update(zip(map(find, halt["in"]), zip(
-                    [tf.constant(True), tf.constant(0 if looped else [0, 0, 0])],
+                    [tf.constant(0)] if looped else [tf.constant(True), tf.constant([0, 0, 0])],
                     map(find, halt["out"]))))
 
             def finish(end, carried):  # after an XLA program: raise if a step halted it
                 made = None if not looped else (  # (the loop's steps: its first output)
                     end.outputs[0] if mode == "while_loop" and steps > 1 else tf.constant([1]))
                 with tf.control_dependencies([end]):
-                    return step_lib.raise_if_halted(*carried[-2:], step.var_list, label, made)
+                    return step_lib.raise_if_halted(carried[-len(halt["in"]):], step.var_list,
+                                                    label, made)
             if mode == "while_loop" and run_length is None:
                 run_length = make_run_length(steps, count_done=feed.iterator is not None)
             keys = list(outputs)
@@ -466,7 +468,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 given={find(p): find(t) for p, t in given.items()}, links=links,
                 run_length=run_length, done=run_length.done if run_length is not None else None,
                 xla=xla, strip=[(prefix, label)], finish=finish if halt is not None else None,
-                stop=find(halt["in"][0]) if halt is not None else None)
+                stop=find(halt["in"][0]) if looped else None)
 
         if step_lib.in_replica_context():  # the replicas' steps, built in turns, are one step
             base = re.sub(r"^replica_\d+/", "", label) + "/step/"

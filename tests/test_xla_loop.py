@@ -118,7 +118,10 @@ def test_the_xla_loops_step_body_touches_no_buffer_past_512_bytes(tmp_path):
     from the optimized HLO XLA dumps (--xla_dump_to) of ms.unroll's and ms.compile's
     loops at N = 300: every shape in the body that runs each step is within 512 bytes,
     and that body writes the losses into an f32[128] chunk. (Before, the one body held
-    f32[300].)"""
+    f32[300].) ms.unroll's (nonfinite="raise") tests the step's values and computes its
+    halt state in one kernel: one instruction of the body is built from the step's check
+    (before, 4 kernels: an is-finite reduction a gradient, the apply's bool, the value's
+    index)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
     result = subprocess.run([sys.executable, "-c", _DUMPED], env=env, capture_output=True,
                             text=True, timeout=300)
@@ -126,6 +129,9 @@ def test_the_xla_loops_step_body_touches_no_buffer_past_512_bytes(tmp_path):
     modules = [p.read_text() for p in tmp_path.glob("*after_optimizations.txt")]
     bodies = {name: body for hlo in modules for name, body in _innermost_loop_bodies(hlo).items()}
     assert len(bodies) >= 2, sorted(bodies)  # ms.unroll's and ms.compile's
+    checks = {name: re.findall(r"^ *(?:ROOT )?%\S+ = .*op_name=\"[^\"]*/check/", body, re.M)
+              for name, body in bodies.items()}
+    assert sorted(map(len, checks.values())) == [0, 1], checks  # ms.compile's: none
     for name, body in bodies.items():
         sizes = [_BYTES[kind] * int(np.prod([int(d) for d in dims.split(",") if d]))
                  for kind, dims in re.findall(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]", body)]
@@ -141,7 +147,8 @@ def test_a_runs_host_work_is_the_xla_call_and_a_handful_of_nodes():
     handles, the run length's read (a table lookup: no cond on a variable being
     initialised, which cost 6 host nodes), the halt check (an
     Assert of the program's outputs and its message: no variable to reset or read, no string
-    built) and the losses' slice (and its start) and name. The program's outputs have static
+    built; a loop's halt state is one int: the Assert's condition is its Equal to 0) and
+    the losses' slice (and its start) and name. The program's outputs have static
     shapes: a slice to the steps made inside it is an output of dynamic shape, which cost 17
     µs a call on blobs. A halt still names the step and the value, as unrolled mode does."""
     with tf.Graph().as_default() as graph:
@@ -161,7 +168,8 @@ def test_a_runs_host_work_is_the_xla_call_and_a_handful_of_nodes():
     around = {name: kind for name, kind in types.items()
               if kind not in ("VarHandleOp", "StatefulPartitionedCall")
               and "/steps_per_run" not in name}
-    assert sorted(around.values()) == ["Assert", "Const", "Const", "Identity", "Slice"], around
+    assert sorted(around.values()) == ["Assert", "Const", "Const", "Const", "Equal", "Identity",
+                                     "Slice"], around
     run_length = sorted(kind for name, kind in types.items() if "/steps_per_run" in name)
     assert run_length == ["Const", "Const", "LookupTableFindV2", "MutableHashTableV2"], run_length
 
