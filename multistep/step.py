@@ -54,8 +54,7 @@ class Step:
     label: str = "multistep"
     skipped: object = None
     halts: bool = False  # xla=True, nonfinite="raise": halt (_halt_unless_finite)
-    halt: object = None  # then {"in"/"out": placeholders/tensors (loop: halted; else ok,
-    # halted), "looped"}
+    halt: object = None  # then {"in"/"out": (halted,) in a loop, else (ok, halted); "looped"}
     xla: bool = False  # built to run in an XLA program (_apply_where, a halt state)
     looped: bool = False  # built as a loop's body (mode="while_loop")
     forward: tuple = None  # after build: (loss, summaries, update ops): build_compiled's
@@ -324,14 +323,14 @@ class Step:
         checks), 0 if none; the loop stops after a step whose ``halted`` is not 0, so it is
         computed afresh each step and is the last step's. XLA computes it in one fusion
         with the is-finite tests (a bool beside it, from a stack of flags, took 3 kernels a
-        step more: on blobs at N = 1000, raise cost 1.13x ignore with it, 1.07x now). Unrolled:
-        ``ok``, no step has halted, and ``[the step that halted (0: none), 1 + that
+        step more: on blobs at N = 1000, raise cost 1.13x ignore with it, 1.07x without).
+        Unrolled: ``ok``, no step has halted, and ``[the step that halted (0: none), 1 + that
         index, steps so far]``. No variable: nothing to reset or read on the host.
         Returns (whether to apply, then ``_apply_if``'s ``otherwise`` and ``kept``: in
         loop mode None, as ``_apply_where`` takes none)."""
         values = [g for g, _ in grads_and_vars] + [loss]
         if self.looped:  # one int: XLA computes it in one fusion with the is-finite tests
-            halted = 0  # (the loop stops after a halting step, so no step reads the last's)
+            halted = 0  # (no step reads halted_in: the loop stops after a step that halts)
             for k in reversed(range(len(values))):
                 halted = tf.where(_all_finite([values[k]]), halted, k + 1)
             halted = tf.identity(halted, name="halted_out")

@@ -120,8 +120,8 @@ def test_the_xla_loops_step_body_touches_no_buffer_past_512_bytes(tmp_path):
     and that body writes the losses into an f32[128] chunk. (Before, the one body held
     f32[300].) ms.unroll's (nonfinite="raise") tests the step's values and computes its
     halt state in one kernel: one instruction of the body is built from the step's check
-    (before, 4 kernels: an is-finite reduction a gradient, the apply's bool, the value's
-    index)."""
+    (before, 3 kernels: the gradient's is-finite reduction, the apply's bool and the
+    value's index; a kernel more for each further gradient)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
     result = subprocess.run([sys.executable, "-c", _DUMPED], env=env, capture_output=True,
                             text=True, timeout=300)
