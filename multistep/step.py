@@ -337,6 +337,8 @@ class Step:
             self.halt = {"in": (tf.compat.v1.placeholder(tf.int32, [], name="halted_in"),),
                          "out": (halted,), "looped": True}
             return tf.equal(halted, 0), None, None
+        # Unrolled keeps its stack of flags: the select chain above, there, changed how XLA
+        # fused the steps' applies, and unrolled-5-Adam-clip went off the single step.
         carried = [tf.compat.v1.placeholder(tf.bool, [], name="ok_in"),
                    tf.compat.v1.placeholder(tf.int32, [3], name="halted_in")]
         ok, halted = carried
