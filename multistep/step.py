@@ -322,8 +322,9 @@ class Step:
         (gradients in ``var_list`` order, then the loss, as ``_checked`` orders its
         checks), 0 if none; the loop stops after a step whose ``halted`` is not 0, so it is
         computed afresh each step and is the last step's. XLA computes it in one fusion
-        with the is-finite tests (a bool beside it, from a stack of flags, took 3 kernels a
-        step more: on blobs at N = 1000, raise cost 1.13x ignore with it, 1.07x without).
+        with the is-finite tests (the form before it, a bool and an index from a stack of
+        flags, took 3 kernels a step more: on blobs at N = 1000, raise cost 1.13x ignore
+        with that form, 1.07x with this one).
         Unrolled: ``ok``, no step has halted, and ``[the step that halted (0: none), 1 + that
         index, steps so far]``. No variable: nothing to reset or read on the host.
         Returns (whether to apply, then ``_apply_if``'s ``otherwise`` and ``kept``: in
