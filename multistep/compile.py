@@ -673,7 +673,8 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
         prefix = f"{scope}/body/step" if scope else "step"
         slices = step_inputs(batches, i, template, prefix)
         slices.update(zip(placeholders, carried))
-        [copies], [end] = import_copies(template, [(prefix, slices, i.op)], roots)
+        [copies], [end] = import_copies(template, [(prefix, slices, i.op)], roots,
+                                        gate=not static)
         fetched = fetched_in(copies, roots, lambda root: slices.get(root, tf.identity(root)))
         following = fetched_in(copies, [f for _, f in links.values()], lambda root: root)
         with tf.control_dependencies([end]):

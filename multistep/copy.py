@@ -13,10 +13,14 @@ import tensorflow as tf
 from multistep import lint
 
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
+# Ops that oneDNN's layout pass rewrites to its kernel only if it has visited their
+# forward op first (it looks for the forward op's oneDNN kernel, whose workspace they
+# read): in a loop body that order is the gate's to fix (``_gate``).
+VISIT_ORDERED = frozenset({"MaxPoolGrad", "MaxPool3DGrad", "LRNGrad"})
 AT_END = "_at_end/"  # the key prefix of a fetched state's read at a copy's end
 
 _Template = collections.namedtuple(
-    "_Template", "graph_def names colocation shared inputs ordered rename keys at_end",
+    "_Template", "graph_def names colocation shared inputs ordered rename keys entries at_end",
     defaults=((),))  # at_end: see import_copies
 # Copy k of a collective op (unrolled) takes instance key + k * _KEY_STRIDE: N copies of one
 # key would meet as one collective. TensorFlow numbers a graph's keys from a counter, so
@@ -72,7 +76,25 @@ def template_of(copied, inputs, strip=None, label="", skip=frozenset()):
         return f"{prefix}/_outside/{name}"
 
     return _Template(graph_def, [op.name for op in copied], colocation, shared,
-                     placeholders, _needs_order(copied), rename, _instance_keys(copied))
+                     placeholders, _needs_order(copied), rename, _instance_keys(copied),
+                     _entries(copied, names, placeholders))
+
+
+def _entries(copied, names, placeholders):
+    """{name: its outputs' dtypes} of each op of the step that reads state a gate cannot
+    pass (``_gate``): a variable's read, a ref's read or cast, whose every input is a
+    resource handle or a ref from outside the step, ordered by nothing in the step."""
+    def outside(t):
+        return t.op.name not in names and t.op.name not in placeholders
+    return {op.name: [t.dtype.as_datatype_enum for t in op.outputs] for op in copied
+            if op.inputs and op.outputs and all(outside(t) and _is_state(t) for t in op.inputs)
+            and not any(c.name in names for c in op.control_inputs)
+            and not any(_is_state(t) for t in op.outputs)}
+
+
+def _is_state(tensor):
+    """Whether a tensor is a resource handle or a ref."""
+    return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # noqa: SLF001
 
 
 def _instance_keys(copied):
@@ -118,7 +140,7 @@ def _needs_order(copied):
     return ordered
 
 
-def import_copies(template, copies, roots):
+def import_copies(template, copies, roots, gate=False):
     """The copies of the step, in one ``import_graph_def`` (each import walks the whole
     graph: one per copy made an unrolled build quadratic in N). ``copies``: a list of
     ``(prefix, slices, before)``: the copy's ops are ``<prefix>/<original name>``, each
@@ -128,6 +150,8 @@ def import_copies(template, copies, roots):
     the fetches. ``template.at_end``: fetched tensors of state (a variable's read, a ref) read
     again in each copy after its fetches and before its end (``AT_END`` + the tensor's
     name in the copy's dict), so that each step returns its state as of its own end.
+    ``gate``: the one copy is a loop's body, entered through one node if the step has an
+    op of ``VISIT_ORDERED`` (``_gate``).
     Returns ({original name: op} of each copy, the end op of each copy)."""
     graph = tf.compat.v1.get_default_graph()
     graph_def = tf.compat.v1.GraphDef()
@@ -201,6 +225,9 @@ def import_copies(template, copies, roots):
         end.name, end.op = f"{prefix}/end", "NoOp"
         end.input[:] = after + [f"^{r}" for r in reads]
         names.append(end.name)
+        if gate and any(node.op in VISIT_ORDERED for node in template.graph_def.node):
+            _gate(graph_def.node[:len(template.names)], graph_def, prefix, order, input_map,
+                  template)
     used = {i for node in graph_def.node for i in node.input}
     input_map = {k: v for k, v in input_map.items() if k in used}  # (an unused key is an error)
     if isinstance(graph, tf.__internal__.FuncGraph):  # a v2 loop body: capture what it maps
@@ -251,3 +278,61 @@ def fetched_in(copies, roots, outside):
         else:
             out.append(copies[op.name].outputs[root.value_index])
     return out
+
+
+def _gate(nodes, graph_def, prefix, order, input_map, template):
+    """Makes one node, ``<prefix>/_gate`` (an IdentityN), the way into a loop body's copy:
+    every value the copy takes from outside it (but a resource handle or a ref: state,
+    read by the entries, ``_entries``), the entries' values and the loop's order pass
+    through it.
+    Why: oneDNN's layout pass visits a graph's nodes in a depth-first reverse post-order,
+    which in a loop (a cycle) is a topological order only within what one node dominates;
+    it rewrites MaxPoolGrad to oneDNN's kernel only if it visits the forward MaxPool
+    first. Entered elsewhere (a variable's read reaching the gradients first), the body's
+    order, and the kernel, depended on how edge sets hashed pointers: the convnet's body
+    ran Eigen's MaxPoolGrad against the single step's oneDNN one in 3 processes of 20.
+    Through the gate, every way into the copy, and every way from a step's gradients back
+    to the next step's forward ops, passes one node the pass visits first. A step on
+    several devices keeps its entries (one gate would move every replica's values to one
+    device)."""
+    devices = {tf.DeviceSpec.from_string(d).to_string() for d in
+               [node.device for node in nodes] + [v.op.device for v in input_map.values()] if d}
+    if len(devices) > 1:
+        return
+    gate = f"{prefix}/_gate"
+    inputs, types, index = [], [], {}
+
+    def through(key, source, dtype):  # the gate's output that carries source
+        if key not in index:
+            index[key] = len(inputs)
+            if isinstance(source, tf.Tensor):  # from outside: the GraphDef names it, mapped
+                input_map[f"{prefix}/_gate_in/{len(inputs)}:0"] = source
+                source = f"{prefix}/_gate_in/{len(inputs)}:0"
+            inputs.append(source)
+            types.append(dtype)
+        return f"{gate}:{index[key]}"
+
+    entries = {template.rename(name, prefix): dtypes for name, dtypes in template.entries.items()}
+    if order is not None:  # (the entries take it as they did; every other op, the gate)
+        before = input_map[order]
+        through(before.ref(), before, before.dtype.as_datatype_enum)
+    for node in nodes:
+        if node.name in entries:
+            continue
+        data, controls = [], []
+        for reference in node.input:
+            control = reference.startswith("^")
+            op_name, _, port = reference.lstrip("^").partition(":")
+            value = input_map.get(reference)
+            if op_name in entries:
+                port = int(port or 0)
+                reference = through((op_name, port), f"{op_name}:{port}", entries[op_name][port])
+            elif value is not None and not _is_state(value):
+                reference = through(value.ref(), value, value.dtype.as_datatype_enum)
+            (controls if control else data).append(
+                f"^{gate}" if control and reference.startswith(f"{gate}:") else reference)
+        node.input[:] = data + list(dict.fromkeys(controls))  # (no control input twice)
+    node = graph_def.node.add()
+    node.name, node.op, node.device = gate, "IdentityN", next(iter(devices), "")
+    node.input.extend(inputs)
+    node.attr["T"].list.type.extend(types)

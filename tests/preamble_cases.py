@@ -7,7 +7,10 @@ TF_USE_LEGACY_KERAS are process-global: read at import or switched once).
 CASE is MODEL:KIND:MODE:OPTIMIZER[:short][:skip] (e.g. mlp:ref:while_loop:Adam). Prints one JSON line
 per case: the max |Δ| of every global variable and of the per-step losses against the
 reference, and the first difference between the kernels an inner step executed and
-those of a single step (``ms.unroll(..., steps=1)``), by name within the step.
+those of a single step (``ms.unroll(..., steps=1)``), by name within the step, and two
+structural readings of the executed graph: reads that may run before the previous
+step's apply (``unordered_reads``), and max pool gradients that oneDNN's layout pass may
+visit before their pool (``visit_order``).
 
 The reference is written here without multistep, the canonical TF1 way: one
 ``opt.minimize(loss)`` under ``tf.control_dependencies(UPDATE_OPS)``, one ``sess.run``
@@ -61,10 +64,13 @@ def mlp(x, y, kind):
 
 
 def conv(x, y, kind):
-    """Conv2D + BiasAdd + Relu (the remapper's _FusedConv2D), then a dense head."""
+    """Conv2D + BiasAdd + Relu (the remapper's _FusedConv2D), a 2x2 max pool (whose
+    gradient oneDNN rewrites only after visiting the pool: ``visit_order``), then a dense
+    head."""
     h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, _var("k", [3, 3, 2, 4], kind), 1, "SAME"),
                                   _var("kb", [4], kind)))
-    return _xent(tf.matmul(tf.reshape(h, [BATCH, 100]), _var("out", [100, 3], kind)), y)
+    h = tf.nn.max_pool2d(h, 2, 2, "SAME")
+    return _xent(tf.matmul(tf.reshape(h, [BATCH, 36]), _var("out", [36, 3], kind)), y)
 
 
 def batch_norm(x, y, kind):
@@ -176,11 +182,12 @@ def fused(model, kind, mode, optimizer, steps, lengths, **options):
                     value, nodes = kernels.executed(sess, unrolled.losses, feed)
                     executed = kernels.of_steps(nodes, unrolled.name)
                     unordered = unordered_reads(nodes, unrolled.name)
+                    pool_grads = visit_order(nodes, unrolled.name)
                 else:
                     value = sess.run(unrolled.losses, feed)
                 losses.extend(value)
                 snapshots.append(_values(sess))
-    return snapshots, np.array(losses, np.float32), executed, unordered
+    return snapshots, np.array(losses, np.float32), executed, unordered, pool_grads
 
 
 _PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Switch", "RefSwitch", "Enter", "RefEnter"})
@@ -235,6 +242,38 @@ def unordered_reads(nodes, name="multistep", *, writes=_APPLY_WRITES, apply_scop
     return found
 
 
+def visit_order(nodes, name="multistep"):
+    """(The loop body's MaxPoolGrad nodes, those of them that oneDNN's layout pass may
+    visit before their forward MaxPool). The pass rewrites MaxPoolGrad to its oneDNN
+    kernel only if it has visited the MaxPool first, in a depth-first reverse post-order
+    whose edge order follows hashed pointers: in a loop body, the grad may come first
+    unless one node, the copy's ``_gate``, dominates it (every way in from the graph's
+    roots passes it) and separates it from its pool's input (every way from the grad
+    back to the next step's forward passes it). Read from the executed graph, whatever
+    order this process's hashing gave."""
+    children = {}
+    for n in nodes:
+        for i in n.input:
+            children.setdefault(i.lstrip("^").split(":")[0], []).append(n.name)
+    by_name = {n.name: n for n in nodes}
+    gates = {n.name for n in nodes if n.name.endswith("/_gate")}
+
+    def reached(starts):
+        seen, stack = set(starts), list(starts)
+        while stack:
+            for child in children.get(stack.pop(), ()):
+                if child not in seen and child not in gates:
+                    seen.add(child)
+                    stack.append(child)
+        return seen
+
+    from_roots = reached([n.name for n in nodes if not n.input])
+    grads = [n for n in nodes if n.op.endswith("MaxPoolGrad") and f"{name}/loop/" in n.name]
+    unordered = [g.name for g in grads if g.name in from_roots or by_name[
+        by_name[g.input[1].split(":")[0]].input[0].split(":")[0]].name in reached([g.name])]
+    return [g.name for g in grads], unordered
+
+
 def main(cases):
     for case in cases:
         model, kind, mode, optimizer, *extra = case.split(":")
@@ -243,8 +282,8 @@ def main(cases):
         lengths = [STEPS, STEPS - 1] if "short" in extra else [STEPS] * RUNS
         options = {"nonfinite": "skip"} if "skip" in extra else {}
         want, want_losses = reference(model, kind, optimizer, lengths)
-        got, got_losses, steps, unordered = fused(model, kind, mode, optimizer, STEPS, lengths,
-                                                  **options)
+        got, got_losses, steps, unordered, pool_grads = fused(
+            model, kind, mode, optimizer, STEPS, lengths, **options)
         got = [{n: v for n, v in values.items() if n != "multistep/skipped_steps"} for values in got]
         single = fused(model, kind, mode, optimizer, 1, [1], **options)[2][1]
         deltas = {"losses": float(np.max(np.abs(got_losses - want_losses)))}
@@ -258,7 +297,7 @@ def main(cases):
                           "steps": sorted(map(str, steps)), "kernels": len(single),
                           "ops": sorted({str(k) for k in single.values()}),
                           "kernel_difference": None if difference is None else str(difference),
-                          "unordered_reads": unordered}),
+                          "unordered_reads": unordered, "pool_grads": pool_grads}),
               flush=True)
 
 

@@ -79,6 +79,11 @@ def test_bitwise_with_the_single_steps_kernels(preamble, onednn):
         # apply (a race may not show in the values of one run).
         assert row["unordered_reads"] == [], (case, row["unordered_reads"])
         loop = ":while_loop:" in case
+        # Structural: the loop body's max pool gradients come after their pools in
+        # oneDNN's visit order, whatever this process's hashing (preamble_cases.visit_order).
+        grads, unordered = row["pool_grads"]
+        assert unordered == [], (case, unordered)
+        assert len(grads) == (case.startswith("conv:") and loop), (case, grads)
         assert row["steps"] == (["1..N"] if loop else ["1", "2", "3"]), case
         model = case.split(":")[0]
         if (model, onednn) in HITS:
