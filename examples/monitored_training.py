@@ -20,7 +20,6 @@ from its checkpoint and ends bitwise where the uninterrupted one did.
 
 import glob
 import os
-import re
 import shutil
 import sys
 

@@ -5,7 +5,6 @@ with a message that names the op or argument and the fix. Tests are named by cas
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import numpy as np
 import pytest
@@ -351,16 +350,24 @@ def test_case10_under_monitored_training_session_the_hook_has_the_applied_steps(
         want, want_state = _single_steps_until_error(_running_out())
     with tf.Graph().as_default():
         fused = ms.compile(_running_out(), steps=3)
-        exhausted = ms.hooks.InputExhaustedHook(fused)
+        exhausted, final = ms.hooks.InputExhaustedHook(fused), _FinalState()
         got = []
-        with V1.train.MonitoredTrainingSession(hooks=[exhausted], save_checkpoint_secs=None,
+        with V1.train.MonitoredTrainingSession(hooks=[exhausted, final], save_checkpoint_secs=None,
                                                save_summaries_steps=None) as sess:
             while not sess.should_stop():
                 got.append(fused.run(sess)["loss"])
-            state = _globals(sess._tf_sess())  # noqa: SLF001 (the session under the hooks)
     assert exhausted.steps_applied == 1
     losses = np.concatenate(got + [exhausted.values["loss"]])
     assert losses.tobytes() == np.array([w["loss"] for w in want], np.float32).tobytes()
+    _same(final.state, want_state)
+
+
+class _FinalState(V1.train.SessionRunHook):
+    """The variables as the session ends (``end`` runs after the input ran out: the
+    OutOfRangeError leaves the ``with`` block, which ends the session cleanly)."""
+
+    def end(self, session):
+        self.state = _globals(session)
 
 
 def test_case11_a_local_variables_reset_keeps_the_run_length():
