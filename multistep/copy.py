@@ -20,7 +20,8 @@ VISIT_ORDERED = frozenset({"MaxPoolGrad", "MaxPool3DGrad", "LRNGrad"})
 AT_END = "_at_end/"  # the key prefix of a fetched state's read at a copy's end
 
 _Template = collections.namedtuple(
-    "_Template", "graph_def names colocation shared inputs ordered rename keys entries at_end",
+    "_Template",
+    "graph_def names colocation shared inputs ordered rename keys entries visit_ordered at_end",
     defaults=((),))  # at_end: see import_copies
 # Copy k of a collective op (unrolled) takes instance key + k * _KEY_STRIDE: N copies of one
 # key would meet as one collective. TensorFlow numbers a graph's keys from a counter, so
@@ -77,7 +78,7 @@ def template_of(copied, inputs, strip=None, label="", skip=frozenset()):
 
     return _Template(graph_def, [op.name for op in copied], colocation, shared,
                      placeholders, _needs_order(copied), rename, _instance_keys(copied),
-                     _entries(copied, names, placeholders))
+                     _entries(copied, names, placeholders), _holds_visit_ordered(copied))
 
 
 def _entries(copied, names, placeholders):
@@ -90,6 +91,33 @@ def _entries(copied, names, placeholders):
             if op.inputs and op.outputs and all(outside(t) and _is_state(t) for t in op.inputs)
             and not any(c.name in names for c in op.control_inputs)
             and not any(_is_state(t) for t in op.outputs)}
+
+
+def _holds_visit_ordered(copied):
+    """Whether the step holds an op of ``VISIT_ORDERED``, itself or in a function it calls
+    (a tf.function's body or its gradient's, a cond's branch: inlined, lowered, before
+    the layout pass runs)."""
+    graph = copied[0].graph if copied else None
+    seen = set()
+
+    def called(attrs):  # the functions a node's attributes name
+        for attr in attrs.values():
+            yield from [attr.func.name] if attr.HasField("func") else [
+                f.name for f in attr.list.func]
+
+    def holds(types_and_attrs):
+        for op_type, attrs in types_and_attrs:
+            if op_type in VISIT_ORDERED:
+                return True
+            for name in called(attrs):
+                function = None if name in seen else graph._get_function(name)  # noqa: SLF001
+                seen.add(name)
+                if function is not None and holds(
+                        (n.op, n.attr) for n in function.definition.node_def):
+                    return True
+        return False
+
+    return holds((op.type, op.node_def.attr) for op in copied)
 
 
 def _is_state(tensor):
@@ -150,8 +178,8 @@ def import_copies(template, copies, roots, gate=False):
     the fetches. ``template.at_end``: fetched tensors of state (a variable's read, a ref) read
     again in each copy after its fetches and before its end (``AT_END`` + the tensor's
     name in the copy's dict), so that each step returns its state as of its own end.
-    ``gate``: the one copy is a loop's body, entered through one node if the step has an
-    op of ``VISIT_ORDERED`` (``_gate``).
+    ``gate``: the one copy is a loop's body, entered through one node if the step holds
+    an op of ``VISIT_ORDERED``, itself or in a function it calls (``_gate``).
     Returns ({original name: op} of each copy, the end op of each copy)."""
     graph = tf.compat.v1.get_default_graph()
     graph_def = tf.compat.v1.GraphDef()
@@ -225,7 +253,7 @@ def import_copies(template, copies, roots, gate=False):
         end.name, end.op = f"{prefix}/end", "NoOp"
         end.input[:] = after + [f"^{r}" for r in reads]
         names.append(end.name)
-        if gate and any(node.op in VISIT_ORDERED for node in template.graph_def.node):
+        if gate and template.visit_ordered:
             _gate(graph_def.node[:len(template.names)], graph_def, prefix, order, input_map,
                   template)
     used = {i for node in graph_def.node for i in node.input}

@@ -394,6 +394,48 @@ def test_a_convnets_loop_body_runs_the_single_steps_kernels():
     _same(state, want_state)
 
 
+def test_a_pool_inside_a_function_the_step_calls_comes_before_its_gradient_too():
+    """The max pool in a tf.function the step calls: its gradient is in the gradient's
+    function, inlined into the loop body before oneDNN's layout pass runs. The step is
+    read into those functions, so the body has its gate (without it this reads
+    unordered in every process). Bitwise with 3 single steps."""
+    images = np.random.RandomState(4).randn(3, 8, 144).astype(np.float32)
+
+    @tf.function
+    def pool(h):
+        return tf.nn.max_pool2d(h, 2, 2, "SAME")
+
+    def program(x):
+        init = np.random.RandomState(3)
+        w = V1.get_variable("conv", initializer=init.randn(3, 3, 1, 4).astype(np.float32))
+        h = pool(tf.nn.relu(tf.nn.conv2d(tf.reshape(x, [-1, 12, 12, 1]), w, 1, "SAME")))
+        d = V1.get_variable("dense", initializer=init.randn(144, 3).astype(np.float32))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(tf.reduce_sum(x, 1) > 0, tf.int32),
+            logits=tf.matmul(tf.reshape(h, [-1, 144]), d)))
+        return loss, V1.train.AdamOptimizer(0.01).minimize(loss)
+
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [None, 144], "x")
+        loss, train = program(x)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            want = [sess.run([loss, train], {x: batch})[0] for batch in images]
+            want_state = _globals(sess)
+    with tf.Graph().as_default():
+        x = V1.placeholder(tf.float32, [None, 144], "x")
+        fused = ms.compile(program(x), steps=3)
+        with V1.Session() as sess:
+            sess.run(V1.global_variables_initializer())
+            (got, _), nodes = ms.kernels.executed(
+                sess, fused.values, fused.feed_dict(feeds=[{x: batch} for batch in images]))
+            state = _globals(sess)
+    grads, unordered = visit_order(nodes, fused.name)
+    assert len(grads) == 1 and unordered == [], (grads, unordered)
+    assert got.tobytes() == np.array(want, np.float32).tobytes()
+    _same(state, want_state)
+
+
 def test_verify_finds_where_the_compiled_program_differs_from_the_program_as_written():
     """tf.add_n([x, tanh(x @ a), sin(x @ b), shared]) with x fed per step and `shared` a
     tensor from outside the step named to sort between the copies' names and the step's:
