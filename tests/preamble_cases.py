@@ -269,8 +269,11 @@ def visit_order(nodes, name="multistep"):
 
     from_roots = reached([n.name for n in nodes if not n.input])
     grads = [n for n in nodes if n.op.endswith("MaxPoolGrad") and f"{name}/loop/" in n.name]
-    unordered = [g.name for g in grads if g.name in from_roots or by_name[
-        by_name[g.input[1].split(":")[0]].input[0].split(":")[0]].name in reached([g.name])]
+    unordered = []
+    for grad in grads:  # (its input 1: the pool's output; the pool's input 0: what it pools)
+        pooled = by_name[grad.input[1].split(":")[0]].input[0].split(":")[0]
+        if grad.name in from_roots or pooled in reached([grad.name]):
+            unordered.append(grad.name)
     return [g.name for g in grads], unordered
 
 
