@@ -22,7 +22,7 @@ import time
 import tensorflow as tf
 
 import multistep as ms
-from multistep import bench
+from multistep.tools import bench
 
 V1 = tf.compat.v1
 

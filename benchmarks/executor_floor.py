@@ -7,7 +7,7 @@ blobs (50 x 2 -> dense 2, softmax cross-entropy, Adam), N steps in one graph bot
   db = sum dlogits) and Adam's apply, each step's reads after the previous apply.
 Both run through `make_callable` on their train op, interleaved round by round in one
 process (pinned to one core), median µs per step; and the executed nodes per step
-(partition graphs, `multistep.kernels`).
+(partition graphs, `multistep.compiler.kernels`).
 
     taskset -c 0 python benchmarks/executor_floor.py [--steps 10 100] [--rounds 9]
 """
@@ -20,7 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 import multistep as ms
-from multistep import blobs, kernels
+from multistep.tools import blobs
+from multistep.compiler import kernels
 
 V1 = tf.compat.v1
 

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import multistep as ms
-from multistep import bench
+from multistep.tools import bench
 
 V1 = tf.compat.v1
 

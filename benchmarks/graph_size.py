@@ -6,7 +6,7 @@
 import argparse
 import os
 
-from multistep import bench
+from multistep.tools import bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -144,7 +144,7 @@ def convnet():
 
 def blobs():
     """multistep blobs' problem (`multistep bench`'s): 50 points in 2-D, one dense layer."""
-    from multistep.blobs import data
+    from multistep.tools.blobs import data
 
     x, y = data(0)
 

@@ -5,7 +5,7 @@
 
 import sys
 
-from multistep.cli import main
+from multistep.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 import multistep as ms
-from multistep import bench
+from multistep.tools import bench
 
 
 class _Nothing(keras.callbacks.Callback):

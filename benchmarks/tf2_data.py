@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 import multistep as ms
-from multistep import bench
+from multistep.tools import bench
 
 BATCH = 32
 

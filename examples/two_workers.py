@@ -1,6 +1,6 @@
 """N fused steps on two worker processes: MultiWorkerMirroredStrategy on 127.0.0.1.
 
-This script starts its two workers itself (``multistep.cluster``: free ports, a
+This script starts its two workers itself (``multistep.loops.cluster``: free ports, a
 ``TF_CONFIG`` each, every process bounded in time and stopped at the end). Each
 worker runs a ``tf.distribute.Server`` with the strategy's ``update_config_proto``
 and a session on it, and builds, in the same order on both, N fused steps
@@ -85,7 +85,7 @@ def worker(out_dir):
 
 
 def main():
-    from multistep.cluster import run_workers
+    from multistep.loops.cluster import run_workers
 
     with tempfile.TemporaryDirectory() as out_dir:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

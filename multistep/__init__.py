@@ -11,20 +11,26 @@ import types
 
 # Public name -> the submodule that defines it (a submodule itself maps to None).
 _NAMES = {
-    "GraphTooLargeError": "unroll", "InputExhaustedError": "unroll", "Unrolled": "unroll",
-    "unroll": "unroll", "phase": "phases", "Compiled": "compile", "compile": "compile",
-    "StepFailedError": "compile",
-    "every": "every",
+    "GraphTooLargeError": "builder.unroll", "InputExhaustedError": "builder.unroll",
+    "Unrolled": "builder.unroll", "unroll": "builder.unroll", "phase": "builder.phases",
+    "Compiled": "compiler.compile", "compile": "compiler.compile",
+    "StepFailedError": "compiler.compile", "every": "compiler.every",
+    "deferred": "loops.deferred", "value": "loops.lazy",
     "Report": "verify", "session_config": "verify", "verify": "verify",
-    "RuleOptimizer": "rules",
-    "StaleForwardError": "lint",
-    "add_noise": "transforms", "chain": "transforms", "clip_by_global_norm": "transforms",
-    "clip_by_norm": "transforms", "clip_by_value": "transforms", "dedupe_sparse": "transforms",
-    "scale": "transforms",
-    "distribute": None, "hooks": None, "kernels": None, "keras": None, "rules": None,
-    "sampling": None, "summaries": None,
-    "tf2": None,
+    "RuleOptimizer": "builder.rules",
+    "StaleForwardError": "builder.lint",
+    "add_noise": "builder.transforms", "chain": "builder.transforms",
+    "clip_by_global_norm": "builder.transforms", "clip_by_norm": "builder.transforms",
+    "clip_by_value": "builder.transforms", "dedupe_sparse": "builder.transforms",
+    "scale": "builder.transforms",
+    # public submodules, by where they live
+    "distribute": "loops.distribute", "hooks": "loops.hooks", "kernels": "compiler.kernels",
+    "keras": "tf2.keras", "rules": "builder.rules", "sampling": "builder.sampling",
+    "summaries": "builder.summaries", "tf2": "tf2",
 }
+# The public names that are submodules (ms.hooks, ...): the rest are functions and classes.
+_MODULES = frozenset({"distribute", "hooks", "kernels", "keras", "rules", "sampling",
+                      "summaries", "tf2"})
 __all__ = sorted(_NAMES)
 __version__ = "0.1.0"
 
@@ -32,8 +38,8 @@ __version__ = "0.1.0"
 def __getattr__(name):
     if name not in _NAMES:
         raise AttributeError(f"module 'multistep' has no attribute {name!r}")
-    module = importlib.import_module(f"multistep.{_NAMES[name] or name}")
-    value = module if _NAMES[name] is None else getattr(module, name)
+    module = importlib.import_module(f"multistep.{_NAMES[name]}")
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -45,11 +51,11 @@ def __dir__():
 class _Package(types.ModuleType):
     """The import system binds each submodule as an attribute of its package once it has
     loaded; where a public function shares its submodule's name (``unroll``, ``verify``),
-    the function keeps the name, as ``from multistep.unroll import unroll`` left it."""
+    the function keeps the name, as ``from multistep.builder.unroll import unroll`` left it."""
 
     def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _NAMES.get(name) == name:
-            value = getattr(value, name)
+        if isinstance(value, types.ModuleType) and name in _NAMES and name not in _MODULES:
+            value = globals()["__getattr__"](name)  # the function (ms.verify), not its module
         super().__setattr__(name, value)
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from multistep.cli import main
+from multistep.tools.cli import main
 
 sys.exit(main())

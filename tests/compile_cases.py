@@ -154,7 +154,7 @@ def _variables(sess):
 def reference(program):
     """STEPS * RUNS single steps: (variables after every STEPS of them, per-step values,
     the kernels of the first step by name)."""
-    from multistep import kernels
+    from multistep.compiler import kernels
     with tf.Graph().as_default():
         fetches, feed = program()
         with V1.Session() as sess:
@@ -175,7 +175,7 @@ def reference(program):
 def compiled(program, mode):
     """RUNS compiled runs of STEPS steps, each fed its STEPS batches."""
     import multistep as ms
-    from multistep import kernels
+    from multistep.compiler import kernels
     with tf.Graph().as_default():
         fetches, feed = program()
         fused = ms.compile(fetches, steps=STEPS, mode=mode)
@@ -227,7 +227,7 @@ def _delta(a, b):
 
 
 def main(preamble, cases):
-    from multistep import kernels
+    from multistep.compiler import kernels
     for case in cases:
         name, mode = case.split(":")
         program = PROGRAMS[name]

@@ -6,7 +6,7 @@ one namespace a page; a Python block that must not run says so where a reader se
 as a title: ```` ```python title="Not run: why" ````. ``bash`` and ``text`` blocks
 (commands, output) never run.
 
-Refusals: every ``raise SomeError(...)`` and ``warnings.warn(...)`` in ``multistep/*.py``
+Refusals: every ``raise SomeError(...)`` and ``warnings.warn(...)`` in ``multistep/**/*.py``
 is known by its class and its message's *fixed phrase*: the longest piece of literal
 text in the message (the f-string's text between the values it formats), whitespace
 collapsed. The Errors page lists it on one line holding both.
@@ -113,9 +113,9 @@ def _is_warn(call):
 
 
 def refusals():
-    """Every raise and warning in multistep/*.py, each with its fixed phrase."""
+    """Every raise and warning in multistep/**/*.py, each with its fixed phrase."""
     found = []
-    paths = sorted(glob.glob(os.path.join(ROOT, "multistep", "*.py")))
+    paths = sorted(glob.glob(os.path.join(ROOT, "multistep", "**", "*.py"), recursive=True))
     trees = {}
     for path in paths:
         with open(path, encoding="utf-8") as f:

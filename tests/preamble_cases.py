@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import multistep as ms  # imports no TensorFlow switch: the preamble below is the user's
-from multistep import kernels
+from multistep.compiler import kernels
 
 V1 = tf.compat.v1
 STEPS, RUNS, BATCH = 3, 2, 8

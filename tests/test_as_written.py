@@ -13,7 +13,7 @@ import multistep as ms
 from preamble_cases import visit_order
 from test_compile import _bitwise as _same  # (every variable, bit for bit)
 from test_compile import _state as _globals  # (the program's variables, not multistep's)
-from multistep.tripwires import OriginalOpRanWarning
+from multistep.compiler.tripwires import OriginalOpRanWarning
 
 V1 = tf.compat.v1
 N = 3

@@ -7,7 +7,8 @@ import re
 import subprocess
 import sys
 
-from multistep import bench, choices
+from multistep.tools import bench
+from multistep import choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -193,7 +193,7 @@ import warnings, importlib
 import numpy as np, tensorflow as tf
 tf.compat.v1.disable_v2_behavior()
 import multistep as ms
-importlib.import_module("multistep.unroll").SLOW_BUILD_SECONDS = 0.0  # any build is slow
+importlib.import_module("multistep.builder.unroll").SLOW_BUILD_SECONDS = 0.0  # any build is slow
 V1 = tf.compat.v1
 w = V1.get_variable("w", initializer=1.0)
 with warnings.catch_warnings(record=True) as caught:

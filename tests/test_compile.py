@@ -182,7 +182,7 @@ def test_an_op_that_makes_unknown_state_is_refused(monkeypatch):
     """An op that makes state the rule does not know (tests/test_placement.py audits the
     registry, so such an op is one a later TensorFlow adds: simulated by taking
     AnonymousSeedGenerator out of the rule) is refused by name."""
-    from multistep import placement
+    from multistep.compiler import placement
     monkeypatch.setattr(placement, "STATE_OWNERS",
                         placement.STATE_OWNERS - {"AnonymousSeedGenerator"})
     graph = tf.Graph()

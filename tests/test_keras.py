@@ -70,7 +70,7 @@ def test_without_callbacks_the_buffer_is_read_before_it_wraps(monkeypatch):
     wrap and at each epoch's end (its per-execution read cost a small model 20 % a step
     at N = 4). A buffer of 6 rows (N = 3), executions of 3 and a last one of 1 step an
     epoch: every step's logs as Keras reports them one step per execution."""
-    from multistep import keras as keras_lib
+    from multistep.tf2 import keras as keras_lib
     monkeypatch.setattr(keras_lib, "_ROWS", 8)  # rows: the multiple of N = 3 below 8
 
     def fit_with(model, callbacks):

@@ -209,8 +209,8 @@ def test_a_slow_unrolled_build_warns_and_recommends_loop_mode(monkeypatch):
     import importlib
     import warnings
 
-    # any build counts as slow (the name `multistep.unroll` is the function: import the module)
-    monkeypatch.setattr(importlib.import_module("multistep.unroll"), "SLOW_BUILD_SECONDS", 0.0)
+    # any build counts as slow
+    monkeypatch.setattr(importlib.import_module("multistep.builder.unroll"), "SLOW_BUILD_SECONDS", 0.0)
     for xla in (False, True):
         with tf.Graph().as_default(), pytest.warns(RuntimeWarning,
                                                    match=r"will take about .*while_loop") as caught:

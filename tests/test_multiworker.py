@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from multistep.cluster import PORT_TAKEN, PortTakenError, WorkerFailedError, Workers
+from multistep.loops.cluster import PORT_TAKEN, PortTakenError, WorkerFailedError, Workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RUNS, KEPT, TIMEOUT = 3, 4, 2, 5  # as in the worker script
@@ -321,7 +321,7 @@ import tensorflow as tf
 tf.compat.v1.disable_eager_execution()
 tf.get_logger().setLevel("ERROR")
 import multistep as ms  # noqa: E402
-from multistep.cluster import free_ports  # noqa: E402
+from multistep.loops.cluster import free_ports  # noqa: E402
 
 V1 = tf.compat.v1
 ports = free_ports(2)

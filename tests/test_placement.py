@@ -6,7 +6,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 
 import multistep as ms
-from multistep.placement import PLACEHOLDERS, STATE_OWNERS, STEP_RESOURCES
+from multistep.compiler.placement import PLACEHOLDERS, STATE_OWNERS, STEP_RESOURCES
 
 V1 = tf.compat.v1
 

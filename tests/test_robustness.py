@@ -219,7 +219,7 @@ def rss_mib():
 
 
 def test_ten_thousand_steps_in_loop_mode_match_single_steps_with_flat_memory(capsys):
-    from multistep import blobs
+    from multistep.tools import blobs
     import functools
 
     build = functools.partial(blobs.build, optimizer="adam", lr=0.01, mode="while_loop")

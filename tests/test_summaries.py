@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import multistep as ms
-from multistep import cli
+from multistep.tools import cli
 
 V1 = tf.compat.v1
 EPS32 = 2.0 ** -24  # float32 unit roundoff: one rounding moves a value by at most EPS32 relative
@@ -201,7 +201,7 @@ def test_every_op_but_the_variables_own_lies_under_its_step(mode):
     # TensorBoard folds the graph into multistep/step_k blocks only if nothing, gradients
     # included, sits beside them: outside multistep/ there may be only the variables
     # themselves (made under their single-step names) and their initialisers and reads.
-    from multistep import blobs
+    from multistep.tools import blobs
 
     graph = tf.Graph()
     with graph.as_default():

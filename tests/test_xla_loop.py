@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import multistep as ms
-from multistep.compile import CHUNK
+from multistep.compiler.compile import CHUNK
 
 V1 = tf.compat.v1
 X = np.random.RandomState(38).randn(50, 2).astype(np.float32)

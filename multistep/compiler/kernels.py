@@ -109,8 +109,8 @@ def of_copies(nodes, name="multistep"):
 def by_name(nodes):
     """The computing kernels of a graph run as it was built (a single step): ``{name:
     Kernel}``, names as ``of_copies`` gives them within a copy."""
-    from multistep.placement import STATE_OWNERS  # made once, shared by the copies
-    from multistep.tripwires import is_tripwire_name  # ms.compile's, on the original ops
+    from multistep.compiler.placement import STATE_OWNERS  # made once, shared by the copies
+    from multistep.compiler.tripwires import is_tripwire_name  # ms.compile's, on the original ops
     return {_within(node.name): _kernel(node) for node in nodes
             if node.op not in _PLUMBING and node.op not in STATE_OWNERS
             and not is_tripwire_name(node.name)}

@@ -10,7 +10,7 @@ import collections
 
 import tensorflow as tf
 
-from multistep import lint
+from multistep import graph as graph_lib
 
 _CAST_LIKE = frozenset({"Cast", "Bitcast"})
 # Ops that oneDNN's layout pass rewrites to its kernel only if it has visited their
@@ -162,8 +162,8 @@ def _needs_order(copied):
         out[op] = depth + (op.type in ("Enter", "RefEnter")) - (op.type in ("Exit", "RefExit"))
         if depth:
             continue
-        ref_cast = op.type in _CAST_LIKE and lint.ref_variable_of(op.inputs[0]) is not None
-        if not inner or op.type in lint.CALL_OPS or ref_cast:
+        ref_cast = op.type in _CAST_LIKE and graph_lib.ref_variable_of(op.inputs[0]) is not None
+        if not inner or op.type in graph_lib.CALL_OPS or ref_cast:
             ordered.add(op.name)
     return ordered
 

@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from multistep.choices import BENCH_PROBLEMS
-from multistep.compile import CHUNK, compile  # noqa: A004
-from multistep.unroll import unroll
+from multistep.compiler.compile import CHUNK, compile  # noqa: A004
+from multistep.builder.unroll import unroll
 
 __all__ = ["METHODS", "PROBLEMS", "Result", "graph_costs", "graph_table", "plot", "run", "table",
            "time_method", "write_csv"]
@@ -44,7 +44,7 @@ class Problem:
 
 
 def _problems():
-    from multistep import blobs
+    from multistep.tools import blobs
 
     x, y = blobs.data(0)
     rng = np.random.RandomState(0)
@@ -361,7 +361,7 @@ def _execution_clock():
 
 
 def _keras_method(problem, steps, timing, jit_compile=False, step_history=False):
-    from multistep import keras as keras_lib
+    from multistep.tf2 import keras as keras_lib
 
     model = _keras_model(problem, steps, jit_compile)
     data = tf.data.Dataset.from_tensors((problem.x, problem.y)).repeat()

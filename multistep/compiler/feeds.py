@@ -9,7 +9,7 @@ the compiled program's feed, refusing what it cannot place before any step runs.
 import numpy as np
 import tensorflow as tf
 
-from multistep.placement import PLACEHOLDERS
+from multistep.compiler.placement import PLACEHOLDERS
 
 __all__ = ["per_step_input", "per_step_placeholders", "prepared", "translate"]
 
@@ -179,15 +179,15 @@ def _stacked(program, feeds):
         raise ValueError(
             f"{program.name}: feeds has {len(feeds)} feed dicts; mode='unrolled' makes "
             f"exactly {program.steps} steps a run. Build with mode='while_loop' to run fewer.")
-    keys = {_name(k) for k in feeds[0]}
+    named = [{_name(key): value for key, value in feed.items()} for feed in feeds]
     out = {}
-    for k, feed in enumerate(feeds):
-        if {_name(key) for key in feed} != keys:
+    for k, feed in enumerate(named):
+        if feed.keys() != named[0].keys():
             raise ValueError(f"{program.name}: feeds[{k}] feeds other placeholders than "
                              f"feeds[0]; every step's feed dict must feed the same ones.")
     for key in feeds[0]:
         name = _name(key)
-        values = [next(v for kk, v in feed.items() if _name(kk) == name) for feed in feeds]
+        values = [feed[name] for feed in named]
         fed = program._by_name.get(name)  # noqa: SLF001
         if fed is None:
             value = _shared(program, key, values[0])

@@ -7,9 +7,9 @@ import numpy as np
 import tensorflow as tf
 from sklearn.datasets import make_blobs
 
-from multistep import rules
+from multistep.builder import rules
 from multistep.choices import OPTIMIZERS
-from multistep.unroll import unroll
+from multistep.builder.unroll import unroll
 
 __all__ = ["OPTIMIZERS", "build", "data", "logical_cpus", "make_optimizer", "predict"]
 
@@ -72,7 +72,7 @@ def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulu
 
 
 def _build_replicated(steps, x, y, opt, replicas, grad_transforms, mode):
-    from multistep import distribute
+    from multistep.loops import distribute
 
     strategy = tf.compat.v1.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
     with strategy.scope():

@@ -20,8 +20,8 @@ import re
 
 import tensorflow as tf
 
-from multistep.unroll import Unrolled, _per_replica, positive_int
-from multistep.unroll import unroll as _unroll
+from multistep.builder.unroll import Unrolled, _per_replica, positive_int
+from multistep.builder.unroll import unroll as _unroll
 
 __all__ = ["REDUCE", "WorkerLostError", "catch_lost_worker", "set_collective_timeout", "unroll"]
 

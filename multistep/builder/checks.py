@@ -3,8 +3,8 @@ names the argument at fault and says what it takes."""
 
 import tensorflow as tf
 
-from multistep import transforms
-from multistep.step import learning_rate_of
+from multistep.builder import transforms
+from multistep.builder.step import learning_rate_of
 
 __all__ = ["as_tf_variable", "check_global_step", "check_loss_fn", "check_optimizer",
            "check_record", "check_replica_context", "check_transforms", "check_var_list"]

@@ -24,22 +24,16 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import kernels as kernel_registry
 
-from multistep import lint
+from multistep import graph as graph_lib
 
-__all__ = ["choose", "uncompilable", "untimed"]
+__all__ = ["choose", "untimed"]
 
 TRIAL_SECONDS = 2.0  # the timed rounds (after the builds and one warm-up run each)
 LEAST_ROUNDS, MOST_ROUNDS = 5, 15
 BLOCK_SECONDS = 0.01  # one candidate's turn in a round: as many runs as fill it
 MOST_UNROLLED_STEPS = 64  # past it unrolled mode is not a candidate (N copies to build)
 
-# Ops XLA handles itself rather than through a registered kernel (function structure).
-_STRUCTURE = frozenset({"NoOp", "Placeholder", "_Arg", "_Retval", "Identity", "IdentityN",
-                        "PartitionedCall", "StatefulPartitionedCall", "While", "StatelessWhile",
-                        "If", "StatelessIf", "Const"})
-_registered = []  # XLA's CPU kernels are registered with the first compilation: once here
 
 
 def untimed(feed, *, in_replica_context):
@@ -173,40 +167,10 @@ def _zero_feeds(fetch):
     """{placeholder a run of ``fetch`` needs: zeros of its shape}, or None if one has no
     static shape."""
     feeds = {}
-    for op in lint.ancestors([fetch.op]):
+    for op in graph_lib.ancestors([fetch.op]):
         if op.type == "Placeholder":
             shape = op.outputs[0].shape
             if not shape.is_fully_defined():
                 return None
             feeds[op.outputs[0]] = np.zeros(shape.as_list(), op.outputs[0].dtype.as_numpy_dtype)
     return feeds
-
-
-def uncompilable(graph):
-    """Why ``graph`` (a traced step, its nested functions included) cannot compile under
-    XLA on the CPU, or None."""
-    _register_xla_kernels()
-    nodes = lint.program_nodes(graph)
-    missing = sorted({n.op for n in nodes if n.op not in _STRUCTURE and not _has_xla_kernel(n.op)})
-    if missing:
-        where = [n.name for n in nodes if n.op == missing[0]][0]
-        return (f"op type {missing[0]!r} (e.g. {where!r}) has no XLA kernel"
-                + (f", nor {', '.join(map(repr, missing[1:4]))}" if len(missing) > 1 else ""))
-    return None
-
-
-def _has_xla_kernel(op_type):
-    return any(k.device_type == "XLA_CPU_JIT"
-               for k in kernel_registry.get_registered_kernels_for_op(op_type).kernel)
-
-
-def _register_xla_kernels():
-    """XLA registers its CPU kernels (device XLA_CPU_JIT) when it first compiles: compile a
-    trivial program once, in a graph and session of its own."""
-    if _registered:
-        return
-    with tf.Graph().as_default() as graph:
-        one = tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True, autograph=False)()
-        with tf.compat.v1.Session(graph=graph) as session:
-            session.run(one)
-    _registered.append(True)

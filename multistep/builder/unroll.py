@@ -1,8 +1,8 @@
 """The builder: N forward/backward/apply passes chained in one graph.
 
-``unroll`` builds the canonical single step once (``multistep.step``: ``loss_fn``'s
+``unroll`` builds the canonical single step once (``multistep.builder.step``: ``loss_fn``'s
 forward pass, its update ops, the gradients, transforms and checks, the apply, the
-``after_apply``), under ``name/step/``, and compiles it (``multistep.compile``): N copies,
+``after_apply``), under ``name/step/``, and compiles it (``multistep.compiler.compile``): N copies,
 each after the one before, or one copy as the body of a loop run N times. Step k reads
 the weights step k-1 wrote and recomputes its loss and gradients from them:
 
@@ -25,15 +25,19 @@ import weakref
 
 import tensorflow as tf
 
-from multistep import auto, checks, lint
-from multistep.compile import (GraphTooLargeError, build, check_graph_size, make_run_length,
-                               positive_int, set_steps_per_run)
-from multistep.runs import PLAIN_SESSIONS, InputExhaustedError, callable_for, exhausted_message
-from multistep import phases as phases_lib
-from multistep import step as step_lib
-from multistep.checks import RECORDS
+from multistep.builder import auto
+from multistep.builder import checks
+from multistep import graph as graph_lib
+from multistep.compiler import xla as xla_lib
+from multistep.builder import lint
+from multistep.compiler.compile import (GraphTooLargeError, build, check_graph_size, make_run_length,
+                                        positive_int, set_steps_per_run)
+from multistep.compiler.runs import PLAIN_SESSIONS, InputExhaustedError, callable_for, exhausted_message
+from multistep.builder import phases as phases_lib
+from multistep.builder import step as step_lib
+from multistep.builder.checks import RECORDS
 from multistep.choices import MODES
-from multistep.inputs import Inputs
+from multistep.builder.inputs import Inputs
 
 __all__ = ["GraphTooLargeError", "InputExhaustedError", "MODES", "NONFINITE", "RECORDS", "Unrolled",
            "unroll"]
@@ -432,7 +436,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 except (TypeError, ValueError) as error:  # (ref variables)
                     refused["while_loop+xla"] = str(error).split("\n")[0]
         step_seconds = time.perf_counter() - started
-        watched = {**lint.watched_variables(step.state()), **step.written}
+        watched = {**graph_lib.watched_variables(step.state()), **step.written}
         carry_links = {} if carry_in is None else {
             placeholder: (first, following) for placeholder, first, following in zip(
                 tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
@@ -498,7 +502,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         if mode == "unrolled" and steps > 1:
             _warn_slow_build(step_seconds, time.perf_counter() - started, steps, label)
         if xla:
-            lint.warn_random_under_xla(compiled.program, name=label)
+            xla_lib.warn_random_under_xla(compiled.program, name=label)
         with tf.control_dependencies([compiled.train_op]):
             losses = tf.identity(values.pop("loss"), name="losses")
         train_op = compiled.train_op
@@ -592,9 +596,9 @@ def _warn_racing(graph, ops, label):
     """Warn when this build writes state an earlier ``ms.unroll`` in the graph reads or
     writes, or reads state it writes: fetched in one ``sess.run``, the two would be two
     chains of steps that nothing orders against each other."""
-    read = {source for op in ops for source in map(lint.source_op, op.inputs)
+    read = {source for op in ops for source in map(graph_lib.source_op, op.inputs)
             if source.type in ("VarHandleOp", "VariableV2")}
-    written = set(lint.written_variables(ops))
+    written = set(graph_lib.written_variables(ops))
     # (label, variables written, variables read) of each ms.unroll built in the graph,
     # kept on it (a module-level map from graphs to their ops would keep them alive).
     if not hasattr(graph, "_multistep_builds"):
@@ -612,7 +616,7 @@ def _warn_racing(graph, ops, label):
                 f"run. Run them in separate sess.run calls, or build one ms.unroll with a "
                 f"phase each: ms.unroll([ms.phase(d_loss, d_opt, var_list=D), "
                 f"ms.phase(g_loss, g_opt, var_list=G)], steps=N).",
-                RuntimeWarning, stacklevel=lint.user_stacklevel())
+                RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
             break
     built.append((label, written, read))
 
@@ -660,4 +664,4 @@ def _warn_slow_build(step_seconds, seconds, steps, label):
             f"times a step's memory, and its first run longer (Grappler optimises every "
             f"copy). mode='while_loop' builds the step once and one loop body whatever N, "
             f"about {step_seconds:.1f} s here, with the same results.",
-            RuntimeWarning, stacklevel=lint.user_stacklevel())
+            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())

@@ -17,7 +17,14 @@ __all__ = ["main"]
 
 def main(argv=None):
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = []
+    if argv[:1] in (["verify"], ["bench"]) and "--" in argv:  # SCRIPT.py's own arguments
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)  # --help and usage errors end here, before TensorFlow loads
+    if script_args:
+        args.args = list(getattr(args, "args", None) or []) + script_args
     if args.command is None:
         parser.print_help()
         return 2
@@ -125,13 +132,33 @@ def _parser():
     blobs.add_argument("--quiet", action="store_true", help="no progress bar")
     blobs.set_defaults(func=_blobs)
 
+    run = sub.add_parser(
+        "run", help="run a training script as written, every session it makes deferred "
+                    "(N steps a compiled run), and print the fusion report")
+    run.add_argument("--steps", type=_positive, required=True,
+                     help="the most steps of one compiled run (N)")
+    run.add_argument("--mode", choices=("while_loop", "unrolled"), default="while_loop",
+                     help="while_loop (default: runs of fewer steps share one program) or "
+                          "unrolled")
+    run.add_argument("--xla", action="store_true", help="compile the steps with XLA")
+    run.add_argument("--quiet", action="store_true", help="no fusion report at the end")
+    run.add_argument("script", metavar="SCRIPT.py", type=_script,
+                     help="the script, run as python SCRIPT.py ARGS would run it")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="the script's own arguments")
+    run.set_defaults(func=_run)
+
     verify = sub.add_parser(
-        "verify", help="check FILE.py:FN's N-step runs against single steps "
+        "verify", help="check FILE.py:FN's N-step runs against single steps, or SCRIPT.py "
+                       "under multistep run against the script as written "
                        "(exit 1 if they differ, 2 if they could not run)")
-    verify.add_argument("target", metavar="FILE.py:FN",
-                        help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it")
-    verify.add_argument("--steps", type=_positive, default=3)
-    verify.add_argument("--runs", type=_positive, default=4)
+    verify.add_argument("target", metavar="FILE.py:FN | SCRIPT.py", type=_target,
+                        help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it; or "
+                             "a training script (its arguments after --)")
+    verify.add_argument("--steps", type=_positive, default=3,
+                        help="inner steps of a fused run (default 3)")
+    verify.add_argument("--runs", type=_positive, default=4,
+                        help="with FILE.py:FN: fused runs compared (default 4)")
     verify.add_argument("--atol", type=_non_negative_float, default=0.0,
                         help="allowed max |Δ| (default 0: exact)")
     verify.add_argument("--explain", action="store_true",
@@ -155,7 +182,11 @@ def _parser():
     graph.set_defaults(func=_graph)
 
     bench = sub.add_parser(
-        "bench", help="per-step time of the modes against N x sess.run and other baselines")
+        "bench", help="per-step time of the modes against N x sess.run and other baselines; "
+                      "or SCRIPT.py as written against multistep run")
+    bench.add_argument("script", metavar="SCRIPT.py", nargs="?", type=_script,
+                       help="time this training script as written against multistep run "
+                            "(interleaved rounds, paired); its arguments after --")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: blobs, N in {1, 10}, few repeats")
     bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS))
@@ -173,6 +204,21 @@ def _parser():
                             "(2 logical CPUs) and two local workers (127.0.0.1), N <= 100")
     bench.set_defaults(func=_bench)
     return parser
+
+
+def _script(text):
+    """An argparse type: an existing file (checked before TensorFlow loads)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _target(text):
+    """``FILE.py:FN`` or ``SCRIPT.py``, the file existing."""
+    path = text.rpartition(":")[0] if ":" in text and not os.path.isfile(text) else text
+    if not path:
+        raise argparse.ArgumentTypeError(f"expected FILE.py:FN or SCRIPT.py, got {text!r}")
+    return _script(path) and text
 
 
 def _positive_number(convert, what, zero=False):
@@ -218,7 +264,8 @@ def _blobs(args):
     import tensorflow as tf
 
     import multistep as ms
-    from multistep import blobs, summaries
+    from multistep.tools import blobs
+    from multistep.builder import summaries
 
     if (args.rule is None) != (args.modulus is None):
         print("multistep blobs: --rule compact-sgd and --modulus B go together", file=sys.stderr)
@@ -306,7 +353,8 @@ def _auto_steps(build, target_seconds, max_steps, runs=40):
 def _graph(args):
     import tensorflow as tf
 
-    from multistep import blobs, summaries
+    from multistep.tools import blobs
+    from multistep.builder import summaries
 
     if args.target:
         build_fn = _load_target(args.target)
@@ -325,9 +373,77 @@ def _graph(args):
     return 0
 
 
+def _run(args):
+    from multistep.tools import script
+
+    return script.run_script(args.script, args.args, steps=args.steps, mode=args.mode,
+                             xla=args.xla, report=not args.quiet)
+
+
+def _script_runs(args, record_dir, deferred):
+    """The command that runs args.script in a subprocess, recording into record_dir."""
+    command = [sys.executable, "-m", "multistep.tools.script", "--record",
+               os.path.join(record_dir, "record.pkl")]
+    if deferred:
+        command += ["--steps", str(args.steps), "--report"]
+    return command + [args.script.partition(":")[0]] + list(getattr(args, "args", []))
+
+
+def _record(args, deferred, what):
+    """Runs the script once in a subprocess; its record, or None (said why)."""
+    import pickle
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as folder:
+        proc = subprocess.run(_script_runs(args, folder, deferred), capture_output=True,
+                              text=True)
+        path = os.path.join(folder, "record.pkl")
+        if not os.path.exists(path):
+            sys.stderr.write(proc.stderr[-3000:])
+            print(f"multistep verify: {what} did not finish (exit {proc.returncode})",
+                  file=sys.stderr)
+            return None
+        with open(path, "rb") as f:
+            record = pickle.load(f)
+    record["stderr"] = proc.stderr
+    return record
+
+
+def _verify_script(args):
+    from multistep.tools import script
+
+    print(f"multistep verify {args.script}: as written twice (deterministic?), then under "
+          f"multistep run --steps {args.steps}")
+    first = _record(args, False, "the script as written")
+    second = first and _record(args, False, "the script as written (a second time)")
+    if second is None:
+        return 2
+    difference = script.compare(first, second)
+    if difference is not None:
+        print(f"the script as written is not deterministic: between two runs, {difference}. "
+              f"Seed it (tf.compat.v1.set_random_seed, numpy's seeds) to verify it.")
+        return 2
+    fused = _record(args, True, "the script under multistep run")
+    if fused is None:
+        return 2
+    difference = script.compare(first, fused)
+    report = fused["stderr"].splitlines()
+    starts = [i for i, line in enumerate(report) if line.startswith("multistep deferred")]
+    print("\n".join(report[starts[0]:] if starts else []))
+    if difference is not None:
+        print(f"DIFFERENT: under multistep run, {difference}")
+        return 1
+    print(f"OK: {len(first['runs'])} Session.run calls' values and {len(first['closes'])} "
+          f"sessions' variables bitwise the same as the script as written")
+    return 0
+
+
 def _verify(args):
     import multistep as ms
 
+    if ":" not in args.target or os.path.isfile(args.target):
+        args.script = args.target
+        return _verify_script(args)
     build_fn = _load_target(args.target)
     if build_fn is None:
         return 2
@@ -353,9 +469,33 @@ def _progress_bar(total, quiet):
     return lambda done, _total: bar.update(done)
 
 
-def _bench(args):
-    from multistep import bench
+def _bench_script(args):
+    import statistics
 
+    rounds = 3 if args.quick else args.repeats
+    times = {False: [], True: []}
+    for r in range(rounds):
+        for deferred in ((False, True) if r % 2 == 0 else (True, False)):
+            record = _record(args, deferred, "the script")
+            if record is None:
+                return 2
+            times[deferred].append(record["from_first_run"])
+        print(f"round {r + 1}/{rounds}: as written {times[False][-1]:.3f} s, under multistep "
+              f"run {times[True][-1]:.3f} s", flush=True)
+    ratios = [a / b for a, b in zip(times[False], times[True])]
+    print(f"{args.script}: from its first Session.run to its end, as written "
+          f"{statistics.median(times[False]):.3f} s, under multistep run --steps "
+          f"{args.steps} {statistics.median(times[True]):.3f} s: "
+          f"{statistics.median(ratios):.2f}x (median of {rounds} paired rounds)")
+    return 0
+
+
+def _bench(args):
+    from multistep.tools import bench
+
+    if args.script is not None:  # one N: the one given, else 10
+        args.steps = args.steps[0] if len(args.steps) == 1 else 10
+        return _bench_script(args)
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})  # before TensorFlow sizes its thread pools
     problems, steps, methods, repeats = args.problems, args.steps, args.methods, args.repeats
@@ -381,7 +521,7 @@ def _bench(args):
     written = [bench.write_csv(results, os.path.join(args.out, "bench.csv")),
                bench.write_csv(costs, os.path.join(args.out, "graph.csv"))]
     if args.distributed:
-        from multistep import bench_distributed
+        from multistep.tools import bench_distributed
 
         rows = bench_distributed.distributed_rows(steps, repeats, args.quick)
         print()

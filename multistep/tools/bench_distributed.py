@@ -11,10 +11,10 @@ Both settings run in subprocesses: logical devices must be set before a process'
 first session, and the workers are processes of their own. A repeat makes a fixed
 number of calls (``min_steps`` steps, at least one call), the same on every worker: a
 worker's collectives must be matched by the other's, so no worker may decide alone
-how often to run. Rows are ``multistep.bench.Result``; ``table`` prints them with each
+how often to run. Rows are ``multistep.tools.bench.Result``; ``table`` prints them with each
 fused row's speed-up over the N x ``sess.run`` row of its setting.
 
-    python -m multistep.bench_distributed [--quick] [--steps 1 10 100] [--repeats 5]
+    python -m multistep.tools.bench_distributed [--quick] [--steps 1 10 100] [--repeats 5]
 """
 
 import argparse
@@ -39,12 +39,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def distributed_rows(ns=(1, 10, 100), repeats=5, quick=False, *, min_steps=None, timeout=900):
     """Times N x sess.run and fused N-step runs under both settings, side by side.
 
-    Returns ``multistep.bench.Result`` rows, problem ``"blobs"``, methods
+    Returns ``multistep.tools.bench.Result`` rows, problem ``"blobs"``, methods
     ``"2 replicas: sess.run x N"``, ``"2 replicas: unrolled"``, ``"2 workers: ..."``;
     N above ``MAX_STEPS`` gives rows with a note instead of times. ``quick``: N in
     {1, 10} (of ``ns``), at most 3 repeats, fewer steps a repeat.
     """
-    from multistep.bench import Result
+    from multistep.tools.bench import Result
 
     ns = [int(n) for n in ns]
     if quick:
@@ -108,7 +108,7 @@ def _parse(stdout, what):
 
 
 def _mirrored(args, timeout):
-    done = subprocess.run([sys.executable, "-m", "multistep.bench_distributed", "--part", "mirrored",
+    done = subprocess.run([sys.executable, "-m", "multistep.tools.bench_distributed", "--part", "mirrored",
                            *args], env=_env(), cwd=_ROOT, capture_output=True, text=True,
                           timeout=timeout, check=False)
     if done.returncode != 0:
@@ -117,9 +117,9 @@ def _mirrored(args, timeout):
 
 
 def _workers(args, timeout):
-    from multistep.cluster import run_workers
+    from multistep.loops.cluster import run_workers
 
-    done = run_workers([sys.executable, "-m", "multistep.bench_distributed", "--part", "worker",
+    done = run_workers([sys.executable, "-m", "multistep.tools.bench_distributed", "--part", "worker",
                         *args], 2, timeout=timeout, env=_env(), cwd=_ROOT)
     for i, (rc, _, err) in enumerate(done):
         if rc != 0:
@@ -135,7 +135,8 @@ def _programs(strategy, ns):
     import numpy as np
     import tensorflow as tf
 
-    from multistep import blobs, distribute
+    from multistep.tools import blobs
+    from multistep.loops import distribute
 
     v1 = tf.compat.v1
     x, y = blobs.data(0)
@@ -198,7 +199,7 @@ def _run_part(part, ns, repeats, min_steps):
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     tf.compat.v1.disable_eager_execution()
     tf.get_logger().setLevel("ERROR")
-    from multistep import distribute
+    from multistep.loops import distribute
 
     v1 = tf.compat.v1
     graph = tf.Graph()
@@ -226,7 +227,7 @@ def _run_part(part, ns, repeats, min_steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m multistep.bench_distributed",
+    parser = argparse.ArgumentParser(prog="python -m multistep.tools.bench_distributed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", nargs="+", type=int, default=[1, 10, 100])

@@ -24,15 +24,17 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.ops import gen_lookup_ops  # the run length's table
 
-from multistep import auto, lint, tripwires
-from multistep import kernels as kernels_lib
-from multistep import feeds as feeds_lib
-from multistep.feeds import per_step_input, per_step_placeholders, prepared
-from multistep.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
-                            template_of)
-from multistep.placement import STATE_OWNERS, placement
-from multistep.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError, callable_for,
-                            exhausted_message, failed_message, per_step_values)
+from multistep import graph as graph_lib
+from multistep.compiler import xla as xla_lib
+from multistep.compiler import tripwires as tripwires_lib
+from multistep.compiler import kernels as kernels_lib
+from multistep.compiler import feeds as feeds_lib
+from multistep.compiler.feeds import per_step_input, per_step_placeholders, prepared
+from multistep.compiler.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
+                                     template_of)
+from multistep.compiler.placement import STATE_OWNERS, placement
+from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError, callable_for,
+                                     exhausted_message, failed_message, per_step_values)
 
 __all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "InputExhaustedError",
            "STATE_OWNERS", "StepFailedError", "compile", "placement"]
@@ -113,7 +115,7 @@ def positive_int(what, value):
 def _ancestors_in_order(roots):
     """Every op ``roots`` depend on (through inputs and control inputs), in the order the
     graph holds them (its creation order)."""
-    seen = lint.ancestors(roots)
+    seen = graph_lib.ancestors(roots)
     return sorted(seen, key=lambda op: op._id)  # noqa: SLF001 (creation order)
 
 
@@ -305,6 +307,16 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         cannot keep bitwise (each message names the op or argument and the fix).
       RuntimeError: the graph is finalized (compile before creating the session).
     """
+    return compile_program(fetches, steps, feeds=feeds, carry=carry, mode=mode, xla=xla,
+                           name=name, tripwires=True)
+
+
+def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=False,
+                    name="multistep", tripwires=True):
+    """``compile``; ``tripwires=False`` leaves the original ops as they are, for a caller
+    that sees every run of the session itself and warns of an original op's run there
+    (the deferred session, which compiles after its session has run the graph: an edge
+    added to an op that has run has no effect)."""
     graph = tf.compat.v1.get_default_graph()
     if tf.executing_eagerly():
         raise RuntimeError("ms.compile compiles a tf.compat.v1 graph; call it inside "
@@ -340,8 +352,9 @@ def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=Fa
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
                       dynamic=frozenset() if xla else _dynamic(fetches, roots))
     if built.program is not None:
-        lint.warn_random_under_xla(built.program, name=built.label)
-    tripwires.guard(built.copied, built.label)
+        xla_lib.warn_random_under_xla(built.program, name=built.label)
+    if tripwires:
+        tripwires_lib.guard(built.copied, built.label)
     structured = tf.nest.pack_sequence_as(fetches, built.values, expand_composites=True)
     loss = _loss(fetches, roots)
     return Compiled(
@@ -450,7 +463,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"fewer (a run of a million steps already makes the call's cost nothing).")
     internal = {t.op for t in list(given) + list(links)}
     graph = tf.compat.v1.get_default_graph()
-    wires = set(graph.get_collection(tripwires.TRIPWIRES))  # (an earlier compile's: not copied)
+    wires = set(graph.get_collection(tripwires_lib.TRIPWIRES))  # (an earlier compile's: not copied)
     ops = [op for op in _ancestors_in_order(
         [r if isinstance(r, tf.Operation) else r.op for r in roots]
         + [following.op for _, following in links.values()]) if op not in wires]
@@ -459,7 +472,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     fed = per_step_placeholders([p for p in placeholders if p not in internal], feeds)
     _refuse_ref_variables([op for op in ops if where[op] == "shared"], mode, xla, label)
     copied = [op for op in ops if where[op] == "copied"]
-    randoms = lint.stateful_random_ops(copied)
+    randoms = graph_lib.stateful_random_ops(copied)
     if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
             f"ms.compile: the step draws with stateful random ops ({', '.join(randoms[:3])}); "
@@ -473,8 +486,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"them with a generator of its own, which follows neither TensorFlow's stream nor "
             f"the seed from one run to the next, so the steps match neither single steps nor "
             f"another run of this program (ms.verify reports it). "
-            f"{lint.stateless_replacement(randoms)} Or build without XLA.",
-            RuntimeWarning, stacklevel=lint.user_stacklevel())
+            f"{graph_lib.stateless_replacement(randoms)} Or build without XLA.",
+            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
     elif randoms and random == "refuse" and mode == "while_loop":
         warnings.warn(
             f"{label}: the step draws with stateful random ops ({', '.join(randoms[:3])}). "
@@ -485,8 +498,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"original train op) or another ms.compile of this step (a steps=1 program for "
             f"an epoch's remainder: use set_steps_per_run or fused.run(sess, feeds=[...]) "
             f"instead) draws from a stream of its own, and the steps then differ from the "
-            f"program as written. {lint.stateless_replacement(randoms)}",
-            RuntimeWarning, stacklevel=lint.user_stacklevel())
+            f"program as written. {graph_lib.stateless_replacement(randoms)}",
+            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
     convolutions = sorted({op.type for op in copied
                            if op.type.startswith(("Conv", "DepthwiseConv"))})
     if xla and convolutions:
@@ -495,7 +508,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"runs convolutions with kernels of its own, not oneDNN's, which can be many "
             f"times slower. Measure both (multistep bench) before choosing xla=True. "
             f"(Bitwise still means: equal to single steps of the step compiled alone.)",
-            RuntimeWarning, stacklevel=lint.user_stacklevel())
+            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
     nccl = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Nccl")]
     keyed = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Collective")]
     if mode == "unrolled" and steps > 1 and (nccl or steps > MOST_KEYED_COPIES and keyed):
@@ -538,7 +551,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
         outputs = program()
     if xla:
         program = program.get_concrete_function().graph
-        why = auto.uncompilable(program)
+        why = xla_lib.uncompilable(program)
         if why is not None and "'Optional" in why:
             why += (" (the gradient of a tf.cond or tf.while_loop built outside an XLA "
                     "context keeps the branch's intermediates as Optionals)")
@@ -810,7 +823,7 @@ def _warn_sum_order(copied, fed, template, prefix, label):
                 f"the steps' sums round otherwise than single steps' (by an ulp or so). Run "
                 f"the session with config=ms.session_config() (that reordering off: the same "
                 f"bits), or add the outside value outside the sum.",
-                RuntimeWarning, stacklevel=lint.user_stacklevel())
+                RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
             return
 
 
@@ -937,8 +950,8 @@ def _global_step(graph, copied):
     step = tf.compat.v1.train.get_global_step(graph)
     if step is None:
         return None
-    owner = lint.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
-    written = lint.written_variables(copied)
+    owner = graph_lib.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
+    written = graph_lib.written_variables(copied)
     return step if owner in written else None
 
 
@@ -948,10 +961,10 @@ def _step_increment(graph, copied):
     step = tf.compat.v1.train.get_global_step(graph)
     if step is None:
         return None
-    owner = lint.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
+    owner = graph_lib.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
     total = 0
     for op in copied:
-        if not lint.is_write(op) or lint.source_op(op.inputs[0]) is not owner:
+        if not graph_lib.is_write(op) or graph_lib.source_op(op.inputs[0]) is not owner:
             continue
         value = tf.get_static_value(op.inputs[1]) if op.type in (
             "AssignAddVariableOp", "AssignAdd") else None

@@ -1,7 +1,7 @@
 """The single step: forward, gradients, transform, checks, side effects, apply.
 
 ``ms.unroll`` builds the canonical single step once, under ``multistep/step/``, and the
-compiler (``multistep.compile``) runs it N times. In this order (each a name scope):
+compiler (``multistep.compiler.compile``) runs it N times. In this order (each a name scope):
 
     inputs       the step's batch: placeholders the compiler feeds slice k at step k,
                  or the next element of an iterator
@@ -27,7 +27,10 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # XlaOptimizationBarrier
 from tensorflow.python.ops import gen_resource_variable_ops
 
-from multistep import lint, scopes, transforms
+from multistep import graph as graph_lib
+from multistep.builder import lint
+from multistep.builder import scopes
+from multistep.builder import transforms
 
 __all__ = ["CreationGuard", "Step", "check_capturable", "in_replica_context",
            "learning_rate_of"]
@@ -103,7 +106,7 @@ class Step:
         initializers |= _initializers(self.guard.created[created:])  # slots, EMA shadows, ...
         ops = graph.get_operations()[first_op:]
         _refuse_gradients_reading_updates(ops, run_first, self.label)
-        self.written.update(lint.written_variables(ops))
+        self.written.update(graph_lib.written_variables(ops))
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=1)
@@ -132,7 +135,7 @@ class Step:
             self.halt = None
         ops = graph.get_operations()[first_op:]
         _refuse_gradients_reading_updates(ops, run_first, self.label)
-        self.written.update(lint.written_variables(ops))
+        self.written.update(graph_lib.written_variables(ops))
         lint.check_dangling(ops, end, exempt=_initializers(self.guard.created[created:]),
                             name=self.label, step=1)
         return outputs, end, halt
@@ -256,14 +259,14 @@ class Step:
             return []
         if self.update_ops == "all":
             own = [op for op in forward if op not in initializers]
-            lint.order_as_built(own)
+            graph_lib.order_as_built(own)
             listed = set(collected)
-            writes = [op for op in own if lint.is_write(op) and op not in listed]
+            writes = [op for op in own if graph_lib.is_write(op) and op not in listed]
             # A stateful cond or call may hold writes: a tf-keras layer's update under a
             # `training` placeholder is a cond whose branch assigns (smart_cond). Built in a
             # graph (not a function), its branches list no control outputs, so a control
             # input on the cond runs no write: its outputs must be computed.
-            calls = [op for op in own if op.type in lint.CALL_OPS and op._is_stateful
+            calls = [op for op in own if op.type in graph_lib.CALL_OPS and op._is_stateful
                      and op not in listed and op.outputs]
             with tf.name_scope("update_ops"):
                 computed = [tf.identity(t).op for op in calls for t in op.outputs]
@@ -383,18 +386,18 @@ class Step:
         if keep is None:
             return applied
         new = set(graph.get_operations()[first:])
-        writes = [op for op in lint.ancestors([applied]) if op in new and lint.is_write(op)]
+        writes = [op for op in graph_lib.ancestors([applied]) if op in new and graph_lib.is_write(op)]
         before = {}
         for op in writes:  # each variable read before the first write to it
             # (an optimizer's ResourceApply* op writes each of its resources: the
             # variable and its slots; an assign or scatter writes its first input)
             written = [t for t in op.inputs if t.dtype == tf.resource] \
                 if op.type.startswith(("ResourceApply", "ResourceSparseApply")) else op.inputs[:1]
-            for handle in map(lint.source_op, written):
+            for handle in map(graph_lib.source_op, written):
                 if handle not in before:
                     before[handle] = gen_resource_variable_ops.read_variable_op(
                         handle.outputs[0], handle.get_attr("dtype"), name="before")
-                op._add_control_inputs([before[handle].op])  # noqa: SLF001 (as lint.order_as_built)
+                op._add_control_inputs([before[handle].op])  # noqa: SLF001 (as graph_lib.order_as_built)
         with tf.control_dependencies([applied]):
             return tf.group(*[gen_resource_variable_ops.assign_variable_op(
                 handle.outputs[0], tf.where(keep, gen_resource_variable_ops.read_variable_op(
@@ -450,14 +453,14 @@ def warn_outside_updates(graph, label):
     outside = [op for op in map(_as_op, graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
                if op not in known]
     if outside:
-        names = ", ".join(f"'{op.name}' ({op.type}){lint.built_at(op)}" for op in outside[:3])
+        names = ", ".join(f"'{op.name}' ({op.type}){graph_lib.built_at(op)}" for op in outside[:3])
         warnings.warn(
             f"{label}: tf.compat.v1.GraphKeys.UPDATE_OPS holds {len(outside)} op(s) built "
             f"outside loss_fn: {names}{', ...' if len(outside) > 3 else ''}. A single step "
             f"under control_dependencies(UPDATE_OPS) runs them every step; ms.unroll runs the "
             f"update ops that loss_fn adds as it builds each step, so these run in no step. "
             f"Build them inside loss_fn (call the layer there), or, to run after each step's "
-            f"apply, in after_apply.", RuntimeWarning, stacklevel=lint.user_stacklevel())
+            f"apply, in after_apply.", RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
 
 
 def _merged(summaries):
@@ -476,18 +479,18 @@ def _refuse_gradients_reading_updates(ops, updates, label):
     alias: the gradient would see the value after the write, where the forward pass saw
     the one before (an RNN state kept in a variable and updated through UPDATE_OPS was
     1.4e-3 off the feed-dict original). A resource variable's reads are snapshots."""
-    written = {lint.ref_variable_of(u.inputs[0]): u for u in updates
-               if lint.is_write(u) and lint.ref_variable_of(u.inputs[0]) is not None}
+    written = {graph_lib.ref_variable_of(u.inputs[0]): u for u in updates
+               if graph_lib.is_write(u) and graph_lib.ref_variable_of(u.inputs[0]) is not None}
     if not written:
         return
     for op in ops:
         # A cond or a switch passes the value on to a branch that may not run (batch norm's
         # inference branch, which reads its moving mean): the ops that compute with it say.
-        if ("/gradients/" not in "/" + op.name or lint.is_write(op) or op.type in lint.ALIAS_OPS
-                or op.type in lint.CALL_OPS or op.type in _V1_CONTROL_FLOW):
+        if ("/gradients/" not in "/" + op.name or graph_lib.is_write(op) or op.type in graph_lib.ALIAS_OPS
+                or op.type in graph_lib.CALL_OPS or op.type in _V1_CONTROL_FLOW):
             continue
         for tensor in op.inputs:
-            variable = lint.ref_variable_of(tensor)
+            variable = graph_lib.ref_variable_of(tensor)
             if variable in written:
                 raise ValueError(
                     f"{label}: the update op '{written[variable].name}' writes "
@@ -560,7 +563,7 @@ def _initializers(variables):
     """The ops that initialise ``variables`` (and their initial values): run by the
     initialiser, not by a step, so never dangling."""
     roots = [v.initializer for v in variables if getattr(v, "initializer", None) is not None]
-    return lint.ancestors(roots)
+    return graph_lib.ancestors(roots)
 
 
 def _after_apply_ops(returned):

@@ -19,7 +19,7 @@ import numbers
 
 import tensorflow as tf
 
-from multistep import transforms
+from multistep.builder import transforms
 
 __all__ = ["RuleOptimizer", "compact_sgd", "momentum", "sgd"]
 

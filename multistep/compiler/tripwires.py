@@ -19,9 +19,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from multistep import lint
+from multistep import graph as graph_lib
 
-__all__ = ["OriginalOpRanWarning", "TRIPWIRES", "guard", "is_tripwire_name"]
+__all__ = ["OriginalOpRanWarning", "TRIPWIRES", "effect_of", "guard", "is_tripwire_name",
+           "ran_message"]
 
 TRIPWIRES = "multistep_tripwires"  # the graph collection of the tripwire ops
 _SCOPE = "_original_ran"
@@ -31,16 +32,16 @@ class OriginalOpRanWarning(RuntimeWarning):
     """An op of a compiled step's original ran beside the compiled program."""
 
 
-def _effect(op):
+def effect_of(op):
     """What running the original ``op`` does to the compiled steps, or None if nothing."""
-    if lint.is_stateful_random(op):
+    if graph_lib.is_stateful_random(op):
         return ("drew from its random stream, which the compiled steps' own copy of the op "
                 "does not follow: the compiled steps now draw other numbers than the program "
                 "as written")
     if op.type.startswith(("IteratorGetNext", "QueueDequeue", "ReaderRead")):
         return ("took a batch of its own from the shared input, which no compiled step "
                 "trains on")
-    if lint.is_write(op):
+    if graph_lib.is_write(op):
         return ("applied an update of its own (an extra step: weights, optimizer slots or "
                 "the global step), beside the compiled steps")
     return None
@@ -52,7 +53,7 @@ def guard(copied, label):
     fired = threading.Event()  # one warning per compiled program
     graph = copied[0].graph if copied else None
     for op in copied:
-        effect = _effect(op)
+        effect = effect_of(op)
         if effect is None or op._get_control_flow_context() is not None:  # noqa: SLF001
             continue  # (a v1 cond or loop: a tripwire outside it would fire for a branch
             #           not taken, and cannot enter a loop's frame)
@@ -60,15 +61,8 @@ def guard(copied, label):
         def fire(op_name=op.name, op_type=op.type, effect=effect):
             if not fired.is_set():
                 fired.set()
-                warnings.warn(
-                    f"{label}: the original op {op_name!r} ({op_type}) of the step that "
-                    f"{label} compiled ran beside the compiled program, and {effect}. A "
-                    f"TensorFlow hook that fetches the original loss (NanTensorHook, "
-                    f"LoggingTensorHook, a summary) or an evaluation sess.run through the "
-                    f"original forward pass does this: give TensorFlow's hooks the compiled "
-                    f"per-step values (fused.values, fused.losses) or use ms.hooks, and "
-                    f"evaluate with ops of their own (a copy of the forward pass without "
-                    f"the training switch's random ops).", OriginalOpRanWarning, stacklevel=2)
+                warnings.warn(ran_message(label, op_name, op_type, effect),
+                              OriginalOpRanWarning, stacklevel=2)
             return np.bool_(True)
 
         with graph.as_default(), tf.name_scope(f"{label}/{_SCOPE}/"), \
@@ -81,3 +75,15 @@ def guard(copied, label):
 def is_tripwire_name(name):
     """Whether a node named ``name`` (a partition graph's) is a tripwire."""
     return f"/{_SCOPE}/" in name
+
+
+def ran_message(label, op_name, op_type, effect):
+    """``OriginalOpRanWarning``'s message: which original op ran, what that did, the fix."""
+    return (f"{label}: the original op {op_name!r} ({op_type}) of the step that "
+            f"{label} compiled ran beside the compiled program, and {effect}. A "
+            f"TensorFlow hook that fetches the original loss (NanTensorHook, "
+            f"LoggingTensorHook, a summary) or an evaluation sess.run through the "
+            f"original forward pass does this: give TensorFlow's hooks the compiled "
+            f"per-step values (fused.values, fused.losses) or use ms.hooks, and "
+            f"evaluate with ops of their own (a copy of the forward pass without "
+            f"the training switch's random ops).")

@@ -24,7 +24,7 @@ import warnings
 
 import tensorflow as tf
 
-from multistep import lint
+from multistep import graph as graph_lib
 
 __all__ = ["ORDERS", "Phase", "Phased", "phase"]
 
@@ -147,9 +147,9 @@ def _apply_after_every_gradient(steps, names, ops):
     warned = set()
     for step, name in zip(steps, names):
         before = [t.op for other in steps if other is not step for t in other.before_apply]
-        mine = [op for op in ops if op.name.startswith(step.apply_scope) and lint.is_write(op)]
+        mine = [op for op in ops if op.name.startswith(step.apply_scope) and graph_lib.is_write(op)]
         for op in mine:
-            variable = lint.source_op(op.inputs[0])
+            variable = graph_lib.source_op(op.inputs[0])
             earlier = written.get(variable, [])
             if earlier and variable not in warned:
                 warned.add(variable)
@@ -159,11 +159,11 @@ def _apply_after_every_gradient(steps, names, ops):
                     f"gradients leaves the two applies unordered (a race). Here the later "
                     f"phase's apply of it runs after the earlier's, in phase order; give each "
                     f"phase its own var_list, or use phases='chained'.",
-                    RuntimeWarning, stacklevel=lint.user_stacklevel())
+                    RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
             wait = before + [o for o in earlier if o not in before]
             op._add_control_inputs([b for b in wait if b not in op.control_inputs])
         for op in mine:
-            written.setdefault(lint.source_op(op.inputs[0]), []).append(op)
+            written.setdefault(graph_lib.source_op(op.inputs[0]), []).append(op)
 
 
 def parse(loss_fn, optimizer, var_list, order):

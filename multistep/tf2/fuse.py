@@ -10,24 +10,24 @@ The trap is TF1's: a value computed before the loop and used inside it is a loop
 invariant, evaluated once per call, so every step reuses it (a gradient computed before
 the loop, applied N times; an L2 term of the weights before the call). ``check`` finds
 those in the traced loop with the same capture check the TF1 builder uses
-(``multistep.lint.check_captures``), and the Python-side state a trace freezes. ``verify``
+(``multistep.builder.lint.check_captures``), and the Python-side state a trace freezes. ``verify``
 compares N fused steps with N single calls of ``tf.function(step_fn)``, bitwise, with
 the TF1 verifier's comparison.
 """
 
-import dataclasses
 import inspect
 import numbers
 import warnings
 
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry
 
-from multistep import lint
-from multistep.verify import _max_abs_diff, _same_bits
+from multistep import graph as graph_lib
+from multistep.builder import lint
+from multistep.tf2.findings import (Finding, capture_findings, held_constants, is_optimizer,
+                                    random_ops, random_under_xla_message, referenced,
+                                    stale_findings, written_variables)
 
-__all__ = ["Finding", "Fused", "check", "fuse", "verify"]
+__all__ = ['Fused', 'fuse']
 
 
 def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strategy=None,
@@ -131,7 +131,7 @@ def fuse(step_fn, steps, *, jit_compile=False, check=True, optimizer=None, strat
                 "XLA program is compiled for one device, and a Keras variable of the second "
                 "replica then fails (InvalidArgumentError: Trying to access resource ... located "
                 "in device ... replica_1). Fuse under the strategy without XLA.")
-    if optimizer is not None and not _is_optimizer(optimizer):
+    if optimizer is not None and not is_optimizer(optimizer):
         raise TypeError(f"optimizer must be the optimizer step_fn applies (one with an "
                         f"iterations variable), got {type(optimizer).__name__}: pass "
                         f"model.optimizer, not the model.")
@@ -170,7 +170,7 @@ class Fused:
             raise TypeError("ms.tf2.fuse: a distributed iterator (iter(strategy."
                             "experimental_distribute_dataset(...))) needs the strategy: "
                             "fuse(step_fn, N, strategy=strategy).")
-        if _is_iterator(batches):
+        if is_iterator(batches):
             if self._in_graph(batches):
                 return self._run(batches)
             return self._call_iterator(batches)
@@ -224,10 +224,10 @@ class Fused:
                 concrete = self._function.get_concrete_function(batches, count)
             if self.jit_compile:
                 _warn_convolutions_under_xla(concrete.graph)
-                found = _random_ops(concrete.graph)
+                found = random_ops(concrete.graph)
                 if found:
-                    warnings.warn(_random_under_xla_message(found), RuntimeWarning,
-                                  stacklevel=lint.user_stacklevel())
+                    warnings.warn(random_under_xla_message(found), RuntimeWarning,
+                                  stacklevel=graph_lib.user_stacklevel())
             if self._check:
                 findings = self.findings(frozen=False)
                 if findings:
@@ -409,7 +409,7 @@ class Fused:
                 f"`if`, `for` or `while` on a tensor in it cannot run: {error}. Write it with "
                 f"tf.cond / tf.where / tf.while_loop, or decorate step_fn with tf.function "
                 f"(autograph converts it) and pass that.") from error
-        out = _as_outputs(returned)
+        out = as_outputs(returned)
         if self._candidates is not None:  # the trace shows which optimizer the step applies
             self.optimizer = _applied(self._candidates, graph.get_operations()[before:])
         if self.optimizer is not None and "iteration" not in out:
@@ -490,79 +490,16 @@ class Fused:
         if not self._bodies:
             return []
         body = self._bodies[-1]
-        written = _written_variables(body)
+        written = written_variables(body)
         if not frozen:
-            return _stale_findings(body, written)
-        roots = _referenced(self.step_fn) + [self.optimizer]
-        findings = _capture_findings(body, written, constants=_held_constants(roots))
-        found = _random_ops(body) if self.jit_compile else []
-        return findings + ([Finding("random", _random_under_xla_message(found))] if found else [])
+            return stale_findings(body, written)
+        roots = referenced(self.step_fn) + [self.optimizer]
+        findings = capture_findings(body, written, constants=held_constants(roots))
+        found = random_ops(body) if self.jit_compile else []
+        return findings + ([Finding("random", random_under_xla_message(found))] if found else [])
 
 
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """One trap ``check`` found: what, where, and the fix."""
-
-    kind: str  # "stale", "frozen" or "python_state"
-    message: str
-
-    @property
-    def stale(self):
-        return self.kind == "stale"
-
-    def __str__(self):
-        return self.message
-
-
-def check(fused, *args):
-    """The traps in a training loop's body, before anything runs (it traces, which creates
-    the variables a lazily built model makes): a list of ``Finding``.
-
-    ``fused``: what ``ms.tf2.fuse`` returned, called as ``check(fused, batches)``; or any
-    ``tf.function`` whose body has a ``tf.while_loop`` (a hand-written ``for i in
-    tf.range(n)`` training loop), called as ``check(fn, *its_arguments)``: every loop in
-    it is checked for the first two kinds.
-
-    - ``stale``: the loop uses a value computed before it from a read of a variable the
-      loop writes (evaluated once per call, so every step reuses the first value); the
-      message names the line that built it.
-    - ``frozen``: the loop uses a float value captured from Python or eager code (a
-      constant in every step and every call; harmless for data, wrong for anything
-      computed from the weights, such as a gradient or an L2 term computed eagerly); the
-      message names the line that uses it. A tensor that an optimizer, a learning-rate
-      schedule or a layer holds as an attribute (a schedule's ``tf.cast(d_model,
-      tf.float32)``) is a constant it was built with, not reported.
-    - ``python_state`` (``ms.tf2.fuse`` only): two traces of ``step_fn`` differ in a
-      constant: Python state (a counter, a float attribute) that each trace freezes at
-      its value then.
-    """
-    if not isinstance(fused, Fused):
-        if not hasattr(fused, "get_concrete_function"):
-            raise TypeError(f"check takes what ms.tf2.fuse returned, or a tf.function with a "
-                            f"loop; got {type(fused).__name__}.")
-        graph = fused.get_concrete_function(*args).graph
-        bodies = _loop_bodies(graph)
-        if not bodies:
-            raise ValueError(f"check: {getattr(fused, '__name__', fused)!r} has no "
-                             f"tf.while_loop (a `for` over tf.range, traced by AutoGraph) to "
-                             f"check; a loop in Python runs once per step of its own.")
-        name = f"{getattr(fused, '__name__', 'the function')}'s loop"
-        constants = _held_constants(_referenced(getattr(fused, "python_function", fused)))
-        return [f for body in bodies for f in _capture_findings(
-            body, _written_variables(body), name=name, constants=constants)]
-    if len(args) != 1:
-        raise TypeError("check(fused, batches): the batches, one argument.")
-    [batches] = args
-    if _is_iterator(batches):
-        raise TypeError("check takes batches as tensors with a leading dimension N; take N "
-                        "elements from the iterator first.")
-    fused._check_leading(batches)
-    fused._function.get_concrete_function(
-        tf.nest.map_structure(tf.convert_to_tensor, batches), tf.constant(fused.steps))
-    return fused.findings() + _python_state_findings(fused, batches)
-
-
-def _as_outputs(returned):
+def as_outputs(returned):
     """What step_fn returned as a dict of scalar tensors: a loss, a dict of logs as they are
     (a Keras ``train_step``'s, with or without a ``"loss"``), or nothing (``{}``)."""
     if returned is None:  # a step that returns nothing (the DCGAN tutorial's)
@@ -592,7 +529,7 @@ def _applied(optimizers, ops):
     handles = {id(_handle(o.iterations)): o for o in optimizers}
     applied = {}
     for op in ops:
-        if not (lint.is_write(op) or op.type in lint.CALL_OPS):
+        if not (graph_lib.is_write(op) or op.type in graph_lib.CALL_OPS):
             continue
         for t in op.inputs:
             if t.dtype == tf.resource:
@@ -610,7 +547,7 @@ def _eager_source(t):
     """The eager tensor (a variable's handle) that the graph tensor ``t`` was captured
     from, through the function graphs around it; else None."""
     while tf.is_symbolic_tensor(t):
-        t = lint.source_op(t).outputs[0]
+        t = graph_lib.source_op(t).outputs[0]
         outer = {inner.ref(): outer for outer, inner in getattr(t.graph, "captures", ())}
         t = outer.get(t.ref())
         if t is None:
@@ -618,157 +555,9 @@ def _eager_source(t):
     return t
 
 
-def _loop_bodies(graph):
-    """The bodies of the v2 loops in ``graph`` and in the loops and conds nested in it."""
-    out, todo = [], [graph]
-    while todo:
-        for op in todo.pop().get_operations():
-            nested = [getattr(op, attr, None) for attr in ("_body_graph", "_true_graph",
-                                                           "_false_graph")]
-            if op.type in ("While", "StatelessWhile") and nested[0] is not None:
-                out.append(nested[0])
-            todo += [g for g in nested if g is not None]
-    return out
-
-
-def _python_state_findings(fused, batches):
-    batch = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), batches)
-    graphs = [tf.function(lambda b: fused.step_fn(*fused._arguments(b)), autograph=False)
-              .get_concrete_function(batch).graph for _ in range(2)]
-    constants = [[(op, tf.make_ndarray(op.get_attr("value"))) for op in g.get_operations()
-                  if op.type == "Const"] for g in graphs]
-    findings = []
-    for (op, a), (_, b) in zip(*constants):
-        if a.shape != b.shape or not np.array_equal(a, b):
-            findings.append(Finding("python_state", (
-                f"step_fn's constant '{op.name}'{lint.built_at(op)} was {a.tolist()} in one "
-                f"trace and {b.tolist()} in the next: Python state read in step_fn (a "
-                f"counter, an attribute) is frozen at each trace, so every fused step reuses "
-                f"one value. Keep it in a tf.Variable and update it inside step_fn.")))
-    return findings
-
-
-def _stale_findings(body, written, name="ms.tf2.fuse"):
-    """The stale capture of the loop body (a FuncGraph), if any; ``name`` says whose."""
-    try:
-        lint.check_captures(body, written, name=name)
-    except lint.StaleForwardError as error:
-        return [Finding("stale", str(error))]
-    return []
-
-
-def _capture_findings(body, written, name="ms.tf2.fuse", constants=frozenset()):
-    """Stale and frozen captures of the loop body (a FuncGraph); ``name`` says whose;
-    ``constants``: ids of eager tensors that are constants by design (``_held_constants``)."""
-    findings = _stale_findings(body, written, name)
-    for outer, inner in body.captures:
-        # (Only a float can be a value computed from the weights: integer labels, indices
-        # and flags captured eagerly are data, not a trap.)
-        if tf.is_symbolic_tensor(outer) or not outer.dtype.is_floating or id(outer) in constants:
-            continue
-        used = _used_at(inner)
-        # (an eager value's placeholder is named by a number: no name to show)
-        named = "" if inner.op.name.rsplit("/", 1)[-1].isdigit() else f" as '{inner.op.name}'"
-        findings.append(Finding("frozen", (
-            f"{name}: the loop uses a value computed before the call (shape {outer.shape}, "
-            f"{outer.dtype.name}), captured{named}{used}: the same in every "
-            f"step and every call. Data may be; anything computed from the weights (a "
-            f"gradient, an L2 term) must be computed inside the loop. (A value an optimizer, "
-            f"a schedule or a layer holds as an attribute is a constant, not reported.)")))
-    return findings
-
-
-def _used_at(tensor, depth=3):
-    """`` at FILE:LINE (in FUNCTION)`` of the user's first op that uses ``tensor``: through
-    the functions it is passed to (a ``tf.function`` step, called inside the loop), whose
-    own ops were built at the user's lines; "" if none."""
-    for op in tensor.consumers():
-        where = lint.built_at(op)
-        if op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
-            inner = _called_input(op, tensor)
-            where = (inner is not None and _used_at(inner, depth - 1)) or where
-        if where:
-            return where
-    return ""
-
-
-def _called_input(op, tensor):
-    """The input placeholder of the function ``op`` calls that receives ``tensor``."""
-    name, graph, function = op.get_attr("f").name, op.graph, None
-    while graph is not None and function is None:
-        function = getattr(graph, "_functions", {}).get(name)
-        graph = getattr(graph, "outer_graph", None)
-    inputs = getattr(getattr(function, "graph", None), "inputs", [])
-    index = next((i for i, t in enumerate(op.inputs) if t.name == tensor.name), None)
-    return inputs[index] if index is not None and index < len(inputs) else None
-
-
-def _writes(graph, depth=3):
-    """(op, the written handle in ``graph``) of each variable write in ``graph`` and in
-    the functions it calls (the call op, and its input that the function writes)."""
-    out = []
-    for op in graph.get_operations():
-        if lint.is_write(op):
-            out.append((op, op.inputs[0]))
-        elif op.type in ("PartitionedCall", "StatefulPartitionedCall") and depth:
-            name, outer, function = op.get_attr("f").name, graph, None
-            while outer is not None and function is None:
-                function = getattr(outer, "_functions", {}).get(name)
-                outer = getattr(outer, "outer_graph", None)
-            inner = getattr(function, "graph", None)
-            if inner is None:
-                continue
-            index = {t.name: i for i, t in enumerate(inner.inputs)}
-            for _, handle in _writes(inner, depth - 1):
-                i = index.get(lint.source_op(handle).outputs[0].name)
-                if i is not None and i < len(op.inputs):
-                    out.append((op, op.inputs[i]))
-    return out
-
-
-def _written_variables(body):
-    """The variables the loop body writes: the op that holds each one's handle in the graph
-    around the loop (what ``lint.check_captures`` walks) -> the writing op's name. The body
-    captures a variable's handle from the graph around it, or straight from eager code
-    (the handle of a variable made eagerly): then the graph around it holds its own."""
-    around = {outer.ref(): inner for outer, inner in getattr(body.outer_graph, "captures", ())}
-    outer_of = {inner.ref(): outer for outer, inner in body.captures}
-    written = {}
-    for op, handle in _writes(body):
-        outer = outer_of.get(lint.source_op(handle).outputs[0].ref())
-        if outer is not None and not tf.is_symbolic_tensor(outer):
-            outer = around.get(outer.ref())
-        if outer is not None:
-            written[lint.source_op(outer)] = op.name
-    return written
-
-
-def _referenced(fn):
-    """The objects ``fn`` refers to: its closure, the globals it names, and ``self`` of a
-    bound method with that object's attributes (a Keras model's ``optimizer`` and its
-    own); a ``tf.function``'s, those of the Python function it wraps."""
-    owner = getattr(fn, "__self__", None)
-    fn = getattr(fn, "python_function", fn)  # (a tf.function: the function it traces)
-    owner = getattr(fn, "__self__", owner)
-    code = getattr(fn, "__code__", None)
-    found = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()
-             if _has_cell_contents(c)]
-    if code is not None:
-        scope = getattr(fn, "__globals__", {})
-        found += [scope[n] for n in code.co_names if n in scope]
-    if owner is not None:
-        found += [owner, getattr(owner, "optimizer", None)]
-        found += [v for v in getattr(owner, "__dict__", {}).values() if _is_optimizer(v)]
-    return found
-
-
-def _is_optimizer(value):
-    return hasattr(getattr(value, "iterations", None), "assign_add")
-
-
 def _optimizers(step_fn, depth=3):
     """The objects with an ``iterations`` variable that ``step_fn`` refers to
-    (``_referenced``), or the functions it refers to do (a step that calls another), once
+    (``referenced``), or the functions it refers to do (a step that calls another), once
     each."""
     found, seen, todo = {}, set(), [(step_fn, 0)]
     while todo:
@@ -776,49 +565,13 @@ def _optimizers(step_fn, depth=3):
         if id(fn) in seen or level > depth:
             continue
         seen.add(id(fn))
-        for value in _referenced(fn):
-            if _is_optimizer(value):
+        for value in referenced(fn):
+            if is_optimizer(value):
                 found[id(value)] = value
             elif inspect.isfunction(value) or inspect.ismethod(value) or hasattr(
                     value, "python_function"):
                 todo.append((value, level + 1))
     return list(found.values())
-
-
-def _held_constants(roots, depth=4):
-    """The ids of the eager tensors that an optimizer, a learning-rate schedule, a layer or
-    a ``tf.Module`` among ``roots`` (or that the functions among them refer to) holds as an
-    attribute, theirs in turn: values they were built with (a Transformer schedule's
-    ``tf.cast(d_model, tf.float32)``), constants of every step by design, not values
-    computed from the weights before the loop."""
-    import keras  # (Keras 3: the objects a TF2 step holds)
-
-    kinds = (keras.optimizers.Optimizer, keras.optimizers.schedules.LearningRateSchedule,
-             keras.layers.Layer, tf.Module)
-
-    def functions(value):  # a function the step calls: what it refers to is the step's
-        return inspect.isfunction(value) or inspect.ismethod(value)
-
-    roots = [r for r in roots if isinstance(r, kinds) or functions(r)]
-    held, seen, todo = set(), set(), [(r, 0) for r in roots]
-    while todo:
-        obj, level = todo.pop()
-        if id(obj) in seen or level > depth:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, kinds):
-            values = list(vars(obj).values())
-        elif functions(obj):
-            values = _referenced(obj)
-        else:
-            values = list(obj.values()) if isinstance(obj, dict) else list(obj)
-        for value in values:
-            if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
-                if not functions(obj):  # (a tensor a function refers to itself may be a trap)
-                    held.add(id(value))
-            elif isinstance(value, (*kinds, list, tuple, dict)) or functions(value):
-                todo.append((value, level + 1))
-    return held
 
 
 def _positional_parameters(step_fn):
@@ -834,14 +587,6 @@ def _positional_parameters(step_fn):
                for k in kinds)
 
 
-def _has_cell_contents(cell):
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return True
-
-
 # Convolutions: XLA compiles them with its own CPU kernels, not oneDNN's.
 _CONVOLUTIONS = frozenset({
     "Conv", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
@@ -854,7 +599,7 @@ def _warn_convolutions_under_xla(graph):
     what holds."""
     if tf.config.list_logical_devices("GPU"):
         return
-    found = sorted({node.op for node in lint.program_nodes(graph)} & _CONVOLUTIONS)
+    found = sorted({node.op for node in graph_lib.program_nodes(graph)} & _CONVOLUTIONS)
     if found:
         warnings.warn(
             f"ms.tf2.fuse: jit_compile=True on the CPU over a step with convolutions "
@@ -868,30 +613,6 @@ def _warn_convolutions_under_xla(graph):
             f"TensorFlow's kernels and the bitwise promise.", RuntimeWarning, stacklevel=4)
 
 
-def _random_ops(graph):
-    """The stateful random ops (``tf.random.normal``, ``tf.nn.dropout``, ...) of ``graph``
-    and of the functions it calls, as ``'name' (Type)`` strings, sorted."""
-    found = set()
-    for node in lint.program_nodes(graph):
-        op_def = op_def_registry.get(node.op)
-        if node.op in lint._STATEFUL_RANDOM_OPS or (  # noqa: SLF001 (the shared list)
-                op_def is not None and op_def.is_stateful
-                and {"seed", "seed2"} <= {a.name for a in op_def.attr}):
-            found.add(f"'{node.name}' ({node.op})")
-    return sorted(found)
-
-
-def _random_under_xla_message(found):
-    return (f"ms.tf2.fuse: jit_compile=True over a step with stateful random ops "
-            f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): XLA draws their "
-            f"numbers from a generator of its own for each compiled program, seeded or not, "
-            f"so the fused steps draw other numbers than N single jit_compile=True calls, "
-            f"from step 1. For the same numbers, fuse without jit_compile, or draw with "
-            f"stateless ops seeded from a variable the step advances (a Keras layer's "
-            f"keras.random.SeedGenerator, as keras.layers.Dropout(rate, seed=...) does, or "
-            f"tf.random.stateless_normal(shape, seed=...)).")
-
-
 def _is_distributed(value):
     """A value per replica (of a distributed iterator or dataset)."""
     return isinstance(value, tf.types.experimental.distributed.PerReplica)
@@ -903,129 +624,5 @@ def _shapes(element):
     return [t.shape for t in tf.nest.flatten(element, expand_composites=True)]
 
 
-def _is_iterator(value):
+def is_iterator(value):
     return isinstance(value, (tf.data.Iterator, tf.distribute.DistributedIterator))
-
-
-def verify(step_fn, steps, *, batches, calls=3, jit_compile=False, optimizer=None, atol=0.0):
-    """N fused steps against N single calls of ``tf.function(step_fn)``, bitwise.
-
-    Builds ``fuse(step_fn, steps, jit_compile=jit_compile)`` (its first trace creates the
-    variables a lazily built model makes), snapshots every variable the fused steps use
-    (the model's, the optimizer's slots and iteration, metrics, random generators' state),
-    runs ``calls`` fused calls, restores the snapshot, runs ``steps * calls`` calls of
-    ``tf.function(step_fn, jit_compile=jit_compile)`` on the same batches, compares every
-    variable after each N steps and every step's outputs, and restores the snapshot again:
-    the model is left as it was.
-
-    Args:
-      step_fn: as ``fuse``'s.
-      steps: as ``fuse``'s.
-      jit_compile: as ``fuse``'s.
-      optimizer: as ``fuse``'s.
-      batches: a nest of tensors with leading dimension ``steps * calls`` (call c takes
-        ``[c * steps, (c + 1) * steps)``), or a ``tf.data.Dataset`` of single batches
-        (the first ``steps * calls`` elements are taken).
-      calls: fused calls to compare (>= 1).
-      atol: allowed max |Δ|; 0.0 asks for bitwise equality.
-
-    Returns:
-      An ``ms.Report`` (as ``ms.verify``'s): ``runs`` counts the fused calls,
-      ``per_variable`` has each variable and each per-step output (``"loss"``, ...),
-      ``first_divergence`` is (call, name).
-    """
-    from multistep.verify import Report  # (the TF1 verifier's report)
-
-    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
-        raise ValueError(f"calls must be an int >= 1, got {calls!r}.")
-    if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not atol >= 0:
-        raise ValueError(f"atol must be a number >= 0, got {atol!r}.")
-    fused = fuse(step_fn, steps, jit_compile=jit_compile, check=False, optimizer=optimizer)
-    total = fused.steps * calls
-    if batches is None or _is_iterator(batches) or inspect.isgenerator(batches):
-        what = "None" if batches is None else type(batches).__name__
-        raise TypeError(
-            f"verify: batches must be tensors with a leading dimension of steps * calls = "
-            f"{total} or a tf.data.Dataset of single batches, got {what}: verify feeds the "
-            f"same batches to the fused and to the single steps, so it needs data it can "
-            f"read twice. Pass the dataset itself, not iter(dataset).")
-    if isinstance(batches, tf.data.Dataset):
-        elements = list(batches.take(total))
-        if len(elements) < total:
-            raise ValueError(f"batches: the dataset has {len(elements)} elements, "
-                             f"{total} needed (steps * calls).")
-        batches = tf.nest.map_structure(lambda *xs: tf.stack(xs), *elements)
-    batches = tf.nest.map_structure(tf.convert_to_tensor, batches)
-    for t in tf.nest.flatten(batches):
-        if t.shape.rank == 0 or t.shape[0] != total:
-            raise ValueError(f"batches need a leading dimension of steps * calls = {total}, "
-                             f"got shape {t.shape}.")
-
-    def block(c):
-        return tf.nest.map_structure(lambda t: t[c * fused.steps:(c + 1) * fused.steps], batches)
-
-    concrete = fused._function.get_concrete_function(block(0), tf.constant(fused.steps))
-    variables = _unique_names(concrete.variables)
-    start = {name: tf.identity(v).numpy() for name, v in variables.items()}
-
-    def values():
-        return {name: v.numpy() for name, v in variables.items()}
-
-    def restore():
-        for name, v in variables.items():
-            v.assign(start[name])
-
-    fused_out, fused_values = [], []
-    for c in range(calls):
-        fused_out.append({k: v.numpy() for k, v in fused(block(c)).items()})
-        fused_values.append(values())
-    restore()
-    single = tf.function(step_fn, jit_compile=jit_compile, autograph=False)
-    single_out, single_values = [], []
-    for c in range(calls):
-        outs = []
-        for k in range(fused.steps):
-            batch = tf.nest.map_structure(lambda t: t[c * fused.steps + k], batches)
-            out = _as_outputs(single(*fused._arguments(batch)))
-            if fused.optimizer is not None and "iteration" not in out:
-                out["iteration"] = fused.optimizer.iterations
-            outs.append({key: np.asarray(value) for key, value in out.items()})
-        single_out.append({key: np.stack([o[key] for o in outs]) for key in outs[0]})
-        single_values.append(values())
-    restore()
-
-    per_variable, first, bitwise = {}, None, True
-    for c in range(calls):
-        pairs = [(n, fused_values[c][n], single_values[c][n]) for n in variables]
-        pairs += [(key, fused_out[c][key], single_out[c][key].astype(fused_out[c][key].dtype))
-                  for key in fused_out[c]]
-        for name, a, b in pairs:
-            name = "losses" if name == "loss" else name  # as ms.verify names them
-            diff = _max_abs_diff(a, b)
-            bitwise = bitwise and _same_bits(a, b)
-            per_variable[name] = max(per_variable.get(name, 0.0), diff)
-            if first is None and not diff <= atol:
-                first = (c + 1, name)
-    return Report(steps=fused.steps, runs=calls, atol=float(atol), per_variable=per_variable,
-                  first_divergence=first, bitwise=bitwise,
-                  fused_losses=_losses(fused_out), single_losses=_losses(single_out),
-                  final_values=fused_values[-1], xla=jit_compile,
-                  plain_max_abs_diff=None)
-
-
-def _losses(outs):
-    """Each step's ``"loss"`` over the calls' outputs; empty for a step without one."""
-    return np.concatenate([o.get("loss", np.zeros([0], np.float32)) for o in outs])
-
-
-def _unique_names(variables):
-    """name -> variable, the names made unique (Keras 3 names a layer's kernel 'kernel')."""
-    out = {}
-    for v in variables:
-        name = getattr(v, "path", None) or v.name.split(":")[0]
-        unique, n = name, 1
-        while unique in out:
-            n += 1
-            unique = f"{name}#{n}"
-        out[unique] = v
-    return out

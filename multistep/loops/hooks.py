@@ -40,8 +40,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from multistep.compile import Compiled
-from multistep.unroll import Unrolled
+from multistep.compiler.compile import Compiled
+from multistep.builder.unroll import Unrolled
 
 __all__ = ["AutoStepsHook", "FinalOpsHook", "InputExhaustedHook", "LoggingHook", "NanHook",
            "NonFiniteLossError", "StepSummaryHook", "StopAtStepHook", "monitored_training_session",

@@ -1,0 +1,784 @@
+"""The deferred session: a TF1 training loop as written, its steps run N at a time.
+
+``sess = ms.deferred(sess, steps=N)`` is the one changed line. A *step run* (a ``run``
+whose fetches reach an optimizer's update of a variable) is deferred: its feed values are
+copied, and it returns the fetches' structure with a ``Lazy`` for each tensor and ``None``
+for each op, as ``Session.run`` does. The pending steps run as one program that
+``ms.compile`` builds from the step's own fetches (once per fetch structure and fed keys):
+
+- when N are pending;
+- when Python reads a lazy value (``float(loss)``, ``print(loss)``, ``if loss < best``);
+- at a *barrier*: any other run (an evaluation, ``Saver.save``, an initializer,
+  ``variable.eval()``), a step run of another program (a GAN's other train op),
+  ``options``/``run_metadata``, ``make_callable``'s callables, ``close``, interpreter exit,
+  ``sess.flush()``.
+
+Barriers make it right by construction: every run the loop makes sees the state of
+exactly the steps the loop made before it, as in the program as written. A value of the
+previous step fed back (an RNN's final state fed to its initial state) is carried inside
+the program (``ms.compile(carry=...)``) rather than forcing a run.
+
+Every ``run`` reaches the session through one patched ``BaseSession.run``, so a run made
+through the original session object (a ``Saver``, a hook, ``tensor.eval()``) is a barrier
+too; sessions that are not deferred run as before. Runs from another thread (queue
+runners, a ``Supervisor``'s summary thread) pass straight through, serialised with the
+step program by a lock.
+"""
+
+import atexit
+import collections
+import copy
+import dataclasses
+import os
+import sys
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.client import session as session_lib
+
+from multistep import graph as graph_lib
+from multistep.compiler import tripwires as tripwires_lib
+from multistep.compiler.compile import compile_program
+from multistep.compiler.placement import PLACEHOLDERS
+from multistep.compiler.runs import InputExhaustedError, StepFailedError
+from multistep.loops import lazy as lazy_lib
+
+__all__ = ["DeferredSession", "FusionReport", "deferred"]
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TF_DIR = os.path.dirname(os.path.abspath(tf.__file__)) + os.sep
+_LIBRARY_DIRS = (_TF_DIR, os.path.dirname(os.path.abspath(np.__file__)) + os.sep)
+# TensorFlow's optimizer kernels: a run whose fetches reach one is a training step.
+_APPLY_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
+
+_ENGINES = weakref.WeakKeyDictionary()  # raw tf.compat.v1.Session -> _Engine
+_ORIGINAL = {}  # BaseSession method name -> TensorFlow's own
+_AUTO = {}  # multistep run: every new session deferred with these options
+
+
+class FusionReport:
+    """What a deferred session ran: ``steps`` (deferred step runs made), ``runs`` (the
+    compiled runs that made them), ``direct`` (step runs made one at a time, with the
+    reason), and ``causes``: each reason a compiled run was short of N, with the source
+    line that caused it, most frequent first."""
+
+    def __init__(self, steps_per_run, steps, runs, direct, causes, barriers):
+        self.steps_per_run, self.steps, self.runs = steps_per_run, steps, runs
+        self.direct, self.causes, self.barriers = direct, causes, barriers
+
+    @property
+    def mean_steps(self):
+        """The mean steps of a compiled run."""
+        return self.steps / self.runs if self.runs else 0.0
+
+    def __str__(self):
+        lines = [f"multistep deferred (steps={self.steps_per_run}): {self.steps} steps in "
+                 f"{self.runs} compiled runs ({self.mean_steps:.1f} steps a run), "
+                 f"{self.barriers} other runs"]
+        if self.direct:
+            lines.append(f"  {sum(self.direct.values())} steps run one at a time:")
+            lines += [f"    {n:6d}  {why}" for why, n in self.direct.most_common()]
+        if self.causes:
+            lines.append("  runs short of N steps, by cause:")
+            lines += [f"    {n:6d}  {cause}" for cause, n in self.causes.most_common()]
+        return "\n".join(lines)
+
+
+class _Record:
+    """One deferred step run: its feed (the fed values, in the order of its ``_Kind``'s
+    keys), where it was made (``site``, and ``call``: the number of the run call), and,
+    once it ran, its values or its error."""
+
+    __slots__ = ("engine", "feed", "site", "call", "done", "values", "error")
+
+    def __init__(self, engine, feed, site, call):
+        self.engine, self.feed, self.site, self.call = engine, feed, site, call
+        self.done, self.values, self.error = False, None, None
+
+
+@dataclasses.dataclass(eq=False)
+class _Kind:
+    """What ``run`` learnt of a fetch structure and fed keys, once: whether it is a step
+    run, and the fetches as graph elements."""
+
+    step: bool
+    flat: list  # the fetches as graph elements, in _flatten's order
+    keys: tuple  # the fed keys, as graph elements (tensors)
+    reached: frozenset  # what the fetches depend on
+    name: tuple  # the structure, the fetches' and the fed keys' names
+    computed: tuple  # the indices of fed keys the step computes (not placeholders)
+    unread: frozenset  # the indices of fed keys the step does not read (dropped)
+    held: list = dataclasses.field(default_factory=list)
+    last: object = None  # the last _Record of this kind
+    hits: tuple = None  # (programs watched, the original ops they copy that it runs)
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    kind: _Kind
+    records: list
+    links: dict  # fed key's index -> index of the fetch of the step before it fed to it
+    shapes: list  # the shapes of the first step's fed values
+
+
+class _Engine:
+    """The deferral of one raw session."""
+
+    def __init__(self, session, steps, mode, xla, report_on_close=False):
+        self.session, self.steps, self.mode, self.xla = session, steps, mode, xla
+        self.report_on_close = report_on_close
+        self.lock = threading.RLock()
+        self.owner = threading.get_ident()
+        self.local = threading.local()
+        self.kinds = {}  # (ids of the fetches and fed keys) -> _Kind
+        self.canonical = {}  # _Kind.name -> _Kind: one per program, however it is fetched
+        self.programs = {}
+        self.guarded, self.warned = {}, set()  # original op -> (program, effect); warned
+        self.pending = None
+        self.calls = 0
+        self.stats_steps = self.stats_runs = self.stats_barriers = 0
+        self.direct = collections.Counter()
+        self.causes = collections.Counter()
+        self.closed = False
+
+    # -- entry points ------------------------------------------------------------------
+
+    def bypassing(self):
+        return (getattr(self.local, "depth", 0) > 0 or threading.get_ident() != self.owner
+                or self.closed)
+
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        with self.lock:
+            self.calls += 1
+            site = _site()
+            kind = self._kind(fetches, feed_dict)
+            if _meaningful(options) or not kind.step:
+                what = "a run with RunOptions" if kind.step else "another run"
+                return self._barrier(kind, fetches, feed_dict, options, run_metadata,
+                                     f"{what} at {site}")
+            return self._defer(kind, self._copied_feed(kind, feed_dict), site, fetches)
+
+    def flush(self, cause=None):
+        """Runs the pending steps (one compiled run); ``cause`` says why it is short."""
+        with self.lock:
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return
+            if cause is not None and len(pending.records) < self.steps:
+                self.causes[cause] += 1
+            self._run_pending(pending)
+
+    def force(self, record):
+        """A read of a pending value: runs the steps pending up to it."""
+        self.flush(f"a read of a value at {_site()}")
+        if not record.done:  # (flushed by an earlier error: resolved as failed)
+            raise RuntimeError("multistep.deferred: a value of a step that never ran.")
+
+    def close(self):
+        try:
+            self.flush(f"close at {_site()}")
+        finally:
+            self.closed = True
+            if self.report_on_close:
+                print(str(self.report()).splitlines()[0], file=sys.stderr)
+
+    def report(self):
+        return FusionReport(self.steps, self.stats_steps, self.stats_runs, self.direct,
+                            self.causes, self.stats_barriers)
+
+    # -- one call ----------------------------------------------------------------------
+
+    def _barrier(self, kind, fetches, feed_dict, options, run_metadata, cause):
+        self.flush(cause)
+        if kind.hits is None or kind.hits[0] != len(self.guarded):  # (once a program)
+            kind.hits = (len(self.guarded), [op for op in kind.reached if op in self.guarded])
+        for op in kind.hits[1]:
+            if op not in self.warned:
+                self.warned.add(op)
+                label, effect = self.guarded[op]
+                warnings.warn(tripwires_lib.ran_message(label, op.name, op.type, effect)
+                              + f" (the run at {cause.rpartition(' at ')[2]})",
+                              tripwires_lib.OriginalOpRanWarning,
+                              stacklevel=graph_lib.user_stacklevel())
+        self.stats_barriers += 1
+        return self._raw(fetches, _forced(feed_dict), options, run_metadata)
+
+    def _raw(self, *args):
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            return _ORIGINAL["run"](self.session, *args)
+        finally:
+            self.local.depth -= 1
+
+    def _kind(self, fetches, feed_dict):
+        fast = (_structure_key(fetches), tuple(map(id, feed_dict or ())))
+        kind = self.kinds.get(fast)
+        if kind is None:
+            kind = _classify(self.session.graph, fetches, feed_dict)
+            kind = self.canonical.setdefault(kind.name, kind)
+            if len(self.kinds) > 4096:  # fetch lists of fresh strings: keep the cache small
+                self.kinds.clear()
+                for known in self.canonical.values():
+                    known.held.clear()
+            self.kinds[fast] = kind
+            kind.held.append((fetches, list(feed_dict or ())))  # keeps the key's ids alive
+        return kind
+
+    def _copied_feed(self, kind, feed_dict):
+        """The feed of one step run, as a list in the order of ``kind.keys``, each value
+        copied (the loop may reuse its buffers); a lazy value of the last pending step of
+        this program kept as it is (carried), any other lazy value forced."""
+        feed = []
+        for key, value in zip(kind.keys, (feed_dict or {}).values()):
+            if isinstance(value, np.ndarray):
+                value = value.copy()
+            elif isinstance(value, lazy_lib.Lazy):
+                if value._owner is not self:  # noqa: SLF001
+                    raise ValueError(
+                        f"multistep.deferred: the value fed to {_key_name(key)!r} is a lazy "
+                        f"value of another session's deferred steps; feed it as a value "
+                        f"of its own: ms.value(x) runs that session's pending steps and "
+                        f"returns it.")
+                if self._carried_from(kind, value) is None:
+                    value = value._force()  # noqa: SLF001 (runs the steps it needs)
+            elif not isinstance(value, (int, float, bool, str, bytes, np.generic)):
+                value = copy.deepcopy(value)
+            feed.append(value)
+        return feed
+
+    def _carried_from(self, kind, value):
+        """The index of the fetch of the last pending step of ``kind`` that ``value`` is,
+        or None."""
+        pending, fetch = self.pending, value._fetch  # noqa: SLF001
+        if pending is None or pending.kind is not kind or fetch is None:
+            return None
+        record, index = fetch
+        return index if record is pending.records[-1] else None
+
+    def _defer(self, kind, feed, site, fetches):
+        # links: fed key's index -> the fetch of the step before whose value it is fed
+        links = {i: self._carried_from(kind, v) for i, v in enumerate(feed)
+                 if isinstance(v, lazy_lib.Lazy)}
+        pending = self.pending
+        if pending is not None and pending.kind is not kind:
+            self.flush(f"a step run of another program at {site}")
+            pending = None
+        elif pending is not None and (
+                any(i not in links and _shape(v) != pending.shapes[i]
+                    for i, v in enumerate(feed))
+                or (len(pending.records) > 1 and links != pending.links)):
+            self.flush(f"a change of what the step is fed at {site}")
+            pending = None
+        if pending is None:
+            feed = [lazy_lib.value(v) for v in feed]  # (a value of a step that just ran)
+            pending = self.pending = _Pending(kind, [], {}, [_shape(v) for v in feed])
+        elif len(pending.records) == 1:
+            pending.links = links
+        record = _Record(self, feed, site, self.calls)
+        pending.records.append(record)
+        kind.last = record  # (a step's feed of each program: tests compare its kernels)
+        values = [None if isinstance(f, tf.Operation) else lazy_lib.Lazy(fetch=(record, j))
+                  for j, f in enumerate(kind.flat)]
+        if len(pending.records) == self.steps:
+            self.flush()
+        return _pack(fetches, iter(values))
+
+    # -- a compiled run ----------------------------------------------------------------
+
+    def _program(self, kind, links, count):
+        """The compiled program of ``kind`` carrying ``links`` (compiled once); in
+        unrolled mode, one for each run length ``count`` (N copies make N steps)."""
+        steps = self.steps if self.mode == "while_loop" else count
+        key = (kind.name, tuple(sorted(links.items()))) + ((steps,) if steps != self.steps
+                                                            else ())
+        program = self.programs.get(key)
+        if program is None:
+            graph = self.session.graph
+            finalized = graph.finalized
+            if finalized:
+                graph._unsafe_unfinalize()  # noqa: SLF001 (a MonitoredSession finalizes)
+            try:
+                with graph.as_default():
+                    program = compile_program(
+                        list(kind.flat), steps, mode=self.mode, xla=self.xla,
+                        carry={kind.keys[i]: kind.flat[j] for i, j in links.items()} or None,
+                        name=f"deferred_{len(self.programs) + 1}", tripwires=False)
+            finally:
+                if finalized:
+                    graph.finalize()
+            self.programs[key] = program
+            for op in kind.reached:  # the originals the program copies, watched at barriers
+                effect = tripwires_lib.effect_of(op)
+                if effect is not None and op.name in program._copied:  # noqa: SLF001
+                    self.guarded.setdefault(op, (program.name, effect))
+        return program
+
+    def _run_pending(self, pending):
+        kind, records, links = pending.kind, pending.records, pending.links
+        computed = [i for i in kind.computed if i not in links]
+        if computed and len(records) == 1:  # one step: a program that carries them takes it
+            links = next((dict(key[1]) for key in self.programs
+                          if key[0] == kind.name and set(computed) <= set(dict(key[1]))), links)
+            computed = [i for i in computed if i not in links]
+        if computed:  # a value fed to a tensor the step computes, not fed back: as written
+            for record in records:
+                self.direct[f"{kind.keys[computed[0]].name} is fed and not carried (not a "
+                            f"value of the step before it)"] += 1
+                feed = dict(zip(kind.keys, record.feed))
+                self._settle([record], kind, self._raw(kind.flat, feed, None, None), None)
+            return
+        program = self._program(kind, links, len(records))
+        first = records[0].feed
+        kept = [i for i in range(len(kind.keys)) if i in links or i not in kind.unread]
+        feeds = [{kind.keys[i]: first[i] if i in links else record.feed[i] for i in kept}
+                 for record in records]  # (carried: step 1's value, the program follows it)
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            values = program.run(self.session, feeds=feeds)
+        except (InputExhaustedError, StepFailedError) as error:
+            self._failed(kind, records, error, error.values, self._done(program))
+        except tf.errors.OpError as error:
+            self._failed(kind, records, error, None, self._done(program))
+        else:
+            self.stats_runs += 1
+            self.stats_steps += len(records)
+            self._settle(records, kind, values, len(records))
+        finally:
+            self.local.depth -= 1
+            lazy_lib.settle_waiting()
+
+    def _settle(self, records, kind, values, count):
+        """Resolves the first ``count`` of ``records`` from a run's values (``count``
+        None: one record, from a single step's values)."""
+        flat = list(values)
+        if count is None:
+            records[0].values, records[0].done = flat, True
+            return
+        for i, record in enumerate(records[:count]):
+            record.values = [None if v is None else _step_value(v, i) for v in flat]
+            record.done = True
+
+    def _done(self, program):
+        """The steps the last run of ``program`` applied before it failed (loop mode
+        counts them), or 0 where the program cannot tell (unrolled mode: then the failing
+        run applied none, or its error names the step)."""
+        done = getattr(program._run_length, "done", None)  # noqa: SLF001
+        return 0 if done is None else int(self._raw(done, None, None, None))
+
+    def _failed(self, kind, records, error, values, applied):
+        if applied:
+            self.stats_runs += 1
+            self.stats_steps += applied
+            if values is not None:
+                self._settle(records, kind, values, applied)
+            else:  # (the program keeps no values: fetches of ops only, or unrolled mode)
+                for record in records[:applied]:
+                    record.values = [None] * len(kind.flat)
+                    record.done = True
+        failing, later = records[applied], len(records) - applied - 1
+        cause = error.__cause__ if isinstance(error, (InputExhaustedError, StepFailedError)) \
+            else error
+        message = (f"{cause.message}\nmultistep.deferred: the step deferred by the run call "
+                   f"at {failing.site} (run call {failing.call}) failed"
+                   + (f"; the {applied} steps before it in its compiled run were applied"
+                      if applied else "")
+                   + (f". The loop made {later} more step run calls before it surfaced; "
+                      f"their steps were not applied." if later else "."))
+        raised = type(cause)(cause.node_def, cause.op, message)
+        for record in records[applied:]:
+            record.error, record.done = raised, True
+        if later:
+            warnings.warn(
+                f"multistep.deferred: a deferred step failed ({type(cause).__name__}) "
+                f"after the loop's Python ran {later} run calls past it (the last at "
+                f"{records[-1].site}); their steps were not applied, but what the loop did "
+                f"between them (counters, logs) was done: it may differ from the program "
+                f"as written.", RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
+        raise raised from error
+
+
+def _step_value(stacked, i):
+    """Step ``i``'s value of a fetch, as ``Session.run`` returns it for that step."""
+    if isinstance(stacked, list):  # (a fetch whose shape differed between the steps)
+        return stacked[i]
+    item = stacked[i]
+    return item.copy() if isinstance(item, np.ndarray) else item
+
+
+def _classify(graph, fetches, feed_dict):
+    """What a run of ``fetches`` with ``feed_dict``'s keys is (``_Kind``)."""
+    flat = [graph.as_graph_element(f) for f in _flatten(fetches)]
+    keys = tuple(k if isinstance(k, tf.SparseTensor) else graph.as_graph_element(k)
+                 for k in (feed_dict or ()))
+    reached = graph_lib.ancestors([getattr(f, "op", f) for f in flat])
+    step = any(op.type.startswith(_APPLY_PREFIXES) for op in reached) or (
+        any(graph_lib.is_write(op) for op in reached)
+        and any("gradients" in op.name.split("/") for op in reached))
+    name = (_structure_key(fetches, leaf=lambda f: graph.as_graph_element(f).name),
+            tuple(_key_name(k) for k in keys))
+    read = [isinstance(k, tf.SparseTensor) or k.op in reached for k in keys]
+    computed = tuple(i for i, k in enumerate(keys) if read[i] and not _is_placeholder(k))
+    unread = frozenset(i for i, k in enumerate(keys) if not read[i])
+    return _Kind(step, flat, keys, frozenset(reached), name, computed, unread)
+
+
+def _key_name(key):
+    return repr([t.name for t in (key.indices, key.values, key.dense_shape)]) \
+        if isinstance(key, tf.SparseTensor) else key.name
+
+
+def _is_placeholder(key):
+    return isinstance(key, tf.SparseTensor) or key.op.type in (*PLACEHOLDERS,
+                                                                "PlaceholderWithDefault")
+
+
+def _structure_key(fetches, leaf=id):
+    """A key of the fetches' structure and leaves (by ``leaf``: their ids, or names)."""
+    if isinstance(fetches, dict):
+        return type(fetches), tuple((k, _structure_key(v, leaf)) for k, v in fetches.items())
+    if isinstance(fetches, (list, tuple)):
+        return (type(fetches),) + tuple(_structure_key(v, leaf) for v in fetches)
+    return leaf(fetches)
+
+
+def _flatten(fetches, out=None):
+    """The leaves of ``fetches`` in ``Session.run``'s order (a dict's in its own order: its
+    keys need not compare, as a MonitoredSession's hook-keyed fetches do not)."""
+    out = [] if out is None else out
+    if isinstance(fetches, dict):
+        for value in fetches.values():
+            _flatten(value, out)
+    elif isinstance(fetches, (list, tuple)):
+        for value in fetches:
+            _flatten(value, out)
+    else:
+        out.append(fetches)
+    return out
+
+
+def _shape(value):
+    return value.shape if isinstance(value, (np.ndarray, np.generic)) else np.shape(value)
+
+
+def _pack(fetches, leaves):
+    """``leaves`` in the structure of ``fetches``, as ``Session.run`` returns it."""
+    if type(fetches) is list:  # (the common case, a list of tensors and ops)
+        return [_pack(v, leaves) if isinstance(v, (list, tuple, dict)) else next(leaves)
+                for v in fetches]
+    if isinstance(fetches, dict):
+        out = (type(fetches)(fetches.default_factory)
+               if isinstance(fetches, collections.defaultdict) else type(fetches)())
+        for key, value in fetches.items():
+            out[key] = _pack(value, leaves)
+        return out
+    if isinstance(fetches, tuple) and hasattr(fetches, "_fields"):
+        return type(fetches)(*[_pack(v, leaves) for v in fetches])
+    if isinstance(fetches, (list, tuple)):
+        return type(fetches)(_pack(v, leaves) for v in fetches)
+    return next(leaves)
+
+
+def _forced(feed_dict):
+    if not feed_dict:
+        return feed_dict
+    return {k: v._force() if isinstance(v, lazy_lib.Lazy) else v  # noqa: SLF001
+            for k, v in feed_dict.items()}
+
+
+def _meaningful(options):
+    return options is not None and options != config_pb2.RunOptions()
+
+
+def _site():
+    """``file:line`` of the user's line that led here: the first frame outside multistep,
+    TensorFlow and numpy; where the call came through TensorFlow (a hook), that frame too."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    via = None
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS
+                                                                    + (_OWN_DIR,)):
+        if via is None and frame.f_code.co_filename.startswith(_TF_DIR):  # (a hook's)
+            via = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} " \
+                  f"in {frame.f_code.co_name}"
+        frame = frame.f_back
+    if frame is None:
+        return via or "?"
+    here = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return f"{here} (via {via})" if via else here
+
+
+# -- the session ---------------------------------------------------------------------------
+
+
+class DeferredSession(session_lib.SessionInterface):
+    """A ``tf.compat.v1.Session`` (or ``MonitoredSession``) whose step runs are deferred:
+    what ``ms.deferred`` returns. It behaves as the session it wraps (``graph``, ``run``,
+    ``close``, ``as_default()``, the context manager, ``make_callable`` as a barrier) and
+    adds ``flush()`` and ``report()``."""
+
+    def __init__(self, wrapped, engine):
+        self._wrapped, self._engine = wrapped, engine
+        self._default = None
+
+    @property
+    def graph(self):
+        return self._wrapped.graph
+
+    @property
+    def sess_str(self):
+        return getattr(self._wrapped, "sess_str", "")
+
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        """As ``Session.run``; a step run is deferred and returns lazy values."""
+        engine = self._engine
+        if (self._wrapped is engine.session and threading.get_ident() == engine.owner
+                and not engine.closed and not getattr(engine.local, "depth", 0)):
+            return engine.run(fetches, feed_dict, options, run_metadata)  # (_run's path)
+        return self._wrapped.run(fetches, feed_dict=feed_dict, options=options,
+                                 run_metadata=run_metadata)
+
+    def flush(self):
+        """Runs the pending steps now."""
+        self._engine.flush(f"sess.flush() at {_site()}")
+
+    def report(self):
+        """The ``FusionReport``: steps made, compiled runs, and why runs were short."""
+        return self._engine.report()
+
+    def make_callable(self, fetches, feed_list=None, accept_options=False):
+        """``Session.make_callable``, each call a barrier (the pending steps run first)."""
+        return self._wrapped.make_callable(fetches, feed_list, accept_options)
+
+    def partial_run_setup(self, fetches, feeds=None):
+        """Refused: a partial run's later calls depend on its first."""
+        raise NotImplementedError(
+            "multistep.deferred: partial_run is not supported on a deferred session: a "
+            "partial run's later calls depend on its first, which a deferred step run "
+            "cannot order. Run it on a session that is not deferred.")
+
+    def partial_run(self, handle, fetches, feed_dict=None):
+        """Refused, as ``partial_run_setup``."""
+        self.partial_run_setup(fetches)
+
+    def as_default(self):
+        """This session as the default session (``tensor.eval()``, ``op.run()``)."""
+        from tensorflow.python.framework import stack
+
+        return stack.default_session(self)
+
+    def close(self):
+        """Runs the pending steps, then closes the session."""
+        try:
+            self._engine.close()
+        finally:
+            self._wrapped.close()
+
+    def __enter__(self):
+        self._default = (self.graph.as_default(), self.as_default())
+        for manager in self._default:
+            manager.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        finally:
+            for manager in reversed(self._default or ()):
+                manager.__exit__(*exc)
+            self._default = None
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
+    """``session`` with its training steps run ``steps`` at a time, bitwise as the loop
+    as written runs them one a call.
+
+    Args:
+      session: a ``tf.compat.v1.Session`` (or ``InteractiveSession``), or a
+        ``MonitoredSession``/``MonitoredTrainingSession`` (its own session is deferred;
+        its hooks see each run, and a hook that reads a value forces the pending steps).
+      steps: N >= 1, the most steps of one compiled run.
+      mode: ``"while_loop"`` (runs of fewer than N steps share one program) or
+        ``"unrolled"``.
+      xla: compile the steps with XLA (bitwise with the step compiled alone by XLA, not
+        with the plain step: see ``ms.compile``).
+      report: print the report's first line (steps, compiled runs) to stderr on close.
+
+    Returns:
+      A ``DeferredSession``: use it where the loop used ``session``.
+
+    Example:
+      >>> import numpy as np, tensorflow as tf, multistep as ms
+      >>> graph = tf.Graph()
+      >>> with graph.as_default():
+      ...     x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+      ...     w = tf.Variable(tf.ones([2, 1]))
+      ...     loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+      ...     train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+      ...     init = tf.compat.v1.global_variables_initializer()
+      >>> sess = ms.deferred(tf.compat.v1.Session(graph=graph), steps=4)
+      >>> _ = sess.run(init)
+      >>> total = 0.0
+      >>> for i in range(8):
+      ...     _, l = sess.run([train, loss], {x: np.full([3, 2], 0.5, np.float32)})
+      ...     total += l                    # stays lazy
+      >>> print(f"{total:.4f}")             # a read: runs what is pending
+      4.2879
+      >>> sess.report().runs
+      2
+      >>> sess.close()
+    """
+    if isinstance(session, DeferredSession):
+        raise ValueError("ms.deferred: the session is deferred already (ms.deferred of a "
+                         "DeferredSession); defer a session once.")
+    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"ms.deferred: steps must be a positive int, got {steps!r}.")
+    if mode not in ("while_loop", "unrolled"):
+        raise ValueError(f"ms.deferred: mode must be 'while_loop' or 'unrolled', got {mode!r}.")
+    if not isinstance(xla, bool) or not isinstance(report, bool):
+        raise TypeError(f"ms.deferred: xla and report must be True or False, got "
+                        f"{xla!r} and {report!r}.")
+    raw = _raw_session(session)
+    if raw is None:
+        raise TypeError(f"ms.deferred takes a tf.compat.v1.Session or a MonitoredSession, "
+                        f"got {type(session).__name__}.")
+    if getattr(raw, "_closed", False):
+        raise RuntimeError("ms.deferred: the session is closed.")
+    if raw in _ENGINES:
+        raise ValueError("ms.deferred: the session is deferred already; defer a session "
+                         "once.")
+    _install()
+    engine = _ENGINES[raw] = _Engine(raw, int(steps), mode, xla, report)
+    return DeferredSession(session, engine)
+
+
+def _raw_session(session):
+    if isinstance(session, session_lib.BaseSession):
+        return session
+    inner = getattr(session, "_tf_sess", None)  # a MonitoredSession's own session
+    if callable(inner):
+        try:
+            return inner()
+        except Exception:  # noqa: BLE001 (a closed or broken monitored session)
+            return None
+    return None
+
+
+def defer_every_session(steps, *, mode="while_loop", xla=False):
+    """``multistep run``: every ``tf.compat.v1.Session`` made from now on is deferred."""
+    _install()
+    _AUTO.update(steps=steps, mode=mode, xla=xla)
+
+
+def reports():
+    """The report of each live deferred session."""
+    return [engine.report() for engine in list(_ENGINES.values())]
+
+
+def flush_all(cause="interpreter exit"):
+    """Runs every session's pending steps (interpreter exit, ``multistep run``'s end)."""
+    for engine in list(_ENGINES.values()):
+        if not engine.closed:
+            engine.flush(cause)
+
+
+# -- the one patch: BaseSession's run, make_callable and close -------------------------------
+
+
+def _engine_of(session):
+    engine = _ENGINES.get(session)
+    if engine is None and _AUTO and not getattr(session, "_closed", False):
+        engine = _ENGINES[session] = _Engine(session, _AUTO["steps"], _AUTO["mode"],
+                                             _AUTO["xla"])
+        # the script's loop is the main thread's, whichever thread ran the session first
+        # (a Supervisor's or a queue runner's)
+        engine.owner = threading.main_thread().ident
+    return engine
+
+
+def _run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    engine = _engine_of(self)
+    if engine is None or engine.closed or getattr(engine.local, "depth", 0):
+        return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
+    if threading.get_ident() != engine.owner:
+        with engine.lock:  # another thread's run: never in the middle of a step program
+            return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
+    return engine.run(fetches, feed_dict, options, run_metadata)
+
+
+def _make_callable(self, fetches, feed_list=None, accept_options=False):
+    call = _ORIGINAL["make_callable"](self, fetches, feed_list, accept_options)
+    engine = _ENGINES.get(self)
+    if engine is None:
+        return call
+
+    def barrier(*args, **kwargs):
+        if not engine.bypassing():
+            engine.flush(f"a make_callable call at {_site()}")
+        return call(*args, **kwargs)
+
+    return barrier
+
+
+def _close(self):
+    engine = _ENGINES.get(self)
+    try:
+        if engine is not None and not engine.closed:
+            engine.close()
+    finally:
+        _ORIGINAL["close"](self)
+
+
+def _partial_run_setup(self, fetches, feeds=None):
+    if _ENGINES.get(self) is not None:
+        DeferredSession.partial_run_setup(None, fetches, feeds)
+    return _ORIGINAL["partial_run_setup"](self, fetches, feeds)
+
+
+# A summary written with a lazy value (``writer.add_summary(summary, step)``): written
+# when the value is known, in the order the loop asked; the writer's flush and close, and
+# a write of a known value to the same writer, run the ones pending first.
+
+
+def _add_summary(self, summary, global_step=None):
+    if lazy_lib.is_pending(summary) or lazy_lib.is_pending(global_step):
+        lazy_lib.effect(self, _ORIGINAL["add_summary"], self, summary, global_step)
+        return None
+    lazy_lib.run_effects(self)
+    return _ORIGINAL["add_summary"](self, lazy_lib.value(summary), lazy_lib.value(global_step))
+
+
+def _writer_flush(self):
+    lazy_lib.run_effects(self)
+    return _ORIGINAL["writer_flush"](self)
+
+
+def _writer_close(self):
+    lazy_lib.run_effects(self)
+    return _ORIGINAL["writer_close"](self)
+
+
+def _install():
+    if _ORIGINAL:
+        return
+    from tensorflow.python.summary.writer import writer as writer_lib
+
+    for owner, name, key, patched in [
+            (session_lib.BaseSession, "run", "run", _run),
+            (session_lib.BaseSession, "make_callable", "make_callable", _make_callable),
+            (session_lib.BaseSession, "close", "close", _close),
+            (session_lib.BaseSession, "partial_run_setup", "partial_run_setup",
+             _partial_run_setup),
+            (writer_lib.SummaryToEventTransformer, "add_summary", "add_summary", _add_summary),
+            (writer_lib.FileWriter, "flush", "writer_flush", _writer_flush),
+            (writer_lib.FileWriter, "close", "writer_close", _writer_close)]:
+        _ORIGINAL[key] = getattr(owner, name)
+        setattr(owner, name, patched)
+    atexit.register(flush_all)

@@ -1,0 +1,331 @@
+"""``ms.deferred``: training loops shaped as public TF1 programs, as written and deferred.
+
+The loops (tests/deferred_cases.py) run in one subprocess per TF1 preamble (the preamble
+is process-global): each as written with a plain session, then with the session
+deferred (N = 4), and the worker reports whether every variable at the end and every value
+the loop read are bitwise the same, and how many compiled runs made the steps. Each count
+below is derived from the loop's shape (where its barriers and reads fall), so a deferral
+that ran one step a call, or that fused across a barrier, fails.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+WORKER = pathlib.Path(__file__).with_name("deferred_cases.py")
+v1 = tf.compat.v1
+
+# case -> (steps made, compiled runs), N = 4.
+EXPECTED = {
+    # 18 steps, 6 a epoch: an evaluation before step 1 of each epoch (a barrier), 4 steps
+    # (a full run), 2 more, then the epoch's RMSE read forces those 2: 2 runs an epoch.
+    "svd": (18, 6),
+    # Per update: sampling and update_oldpi are barriers; 5 actor steps (4 + 1, cut by the
+    # critic's program), 5 critic steps (4 + 1, cut by the next sampling or the end).
+    "ppo": (20, 8),
+    # 24 steps; reads after steps 6 and 18 (the cost line and accuracy.eval()), the end:
+    # 1-4, 5-6, 7-10, 11-14, 15-18, 19-22, 23-24.
+    "mlp": (24, 7),
+    # The state fed back is carried: 9 steps an epoch as 4 + 4 + 1, the epoch's
+    # sess.run(initial_state) a barrier.
+    "ptb": (18, 6),
+    # 10 batches: runs of 4, 4 and a third that applies 2 and then runs out.
+    "data": (10, 3),
+    # Saves after steps 3 and 6, closes after 7: 3 runs; the restored graph's 4: 1 run.
+    "checkpoint": (11, 4),
+    # A summary fetched and written every step: written when known, no flush a step.
+    "summary": (10, 3),
+    # The weight clip after every critic step is a barrier: one step a run.
+    "gan": (12, 12),
+    # 4 critic steps (one run), then the generator's step (its own program): 2 an iteration.
+    "critic_steps": (15, 6),
+    # LoggingTensorHook adds its fetch every 4th step (another program) and reads it (a
+    # read): 1 (logged), 3, 1, 3, 1, 3 steps.
+    "monitored": (12, 6),
+}
+
+
+@pytest.fixture(scope="module", params=["disable_eager_execution", "disable_v2_behavior"])
+def results(request):
+    proc = subprocess.run([sys.executable, str(WORKER), request.param],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_loop_as_written_is_bitwise_and_fused(results, case):
+    result = results[case]
+    assert result["variables"] > 0
+    assert result["different"] == [], result["report"]
+    assert result["same_reads"] and result["reads"] > 0, result
+    assert (result["steps"], result["runs"]) == EXPECTED[case], result["report"]
+    # the loop body executed the kernels of the step as written (partition graphs), so
+    # the bits agree by construction, not because this CPU happened to round alike
+    assert result["kernel_differences"] == [], result["kernel_differences"]
+    assert result["kernels_compared"] > 0
+
+
+# -- in this process (disable_eager_execution: conftest leaves eager on; graphs of their own)
+
+
+def _model(optimizer=None):
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = (optimizer or v1.train.GradientDescentOptimizer(0.1)).minimize(loss)
+        init = v1.global_variables_initializer()
+    return graph, x, w, loss, train, init
+
+
+BATCH = np.arange(6, dtype=np.float32).reshape(2, 3) / 10
+
+
+def test_lazy_values_stay_lazy_until_read_and_are_what_run_returns():
+    graph, x, w, loss, train, init = _model()
+    plain = v1.Session(graph=graph)
+    plain.run(init)
+    expected = [plain.run([train, loss], {x: BATCH})[1] for _ in range(3)]
+    sess = ms.deferred(v1.Session(graph=graph), steps=8)
+    sess.run(init)
+    got = [sess.run([train, loss], {x: BATCH}) for _ in range(3)]
+    assert [g[0] for g in got] == [None] * 3  # an op's slot is None, as Session.run's
+    total = sum(g[1] for g in got) * 2 + np.float32(1)  # arithmetic: still lazy
+    squared = np.square(got[0][1])  # a ufunc: still lazy
+    assert sess.report().runs == 0
+    assert float(total) == float(sum(expected) * 2 + np.float32(1))  # a read: one run
+    assert sess.report().runs == 1 and sess.report().steps == 3
+    values = [ms.value(g[1]) for g in got]
+    assert all(type(v) is type(e) and v == e for v, e in zip(values, expected))
+    assert ms.value(squared) == np.square(expected[0])
+    np.testing.assert_array_equal(sess.run(w), plain.run(w))  # bitwise (assert_array_equal
+    sess.close()                                               # is exact on floats)
+    plain.close()
+
+
+@pytest.mark.parametrize("mode", ["while_loop", "unrolled"])
+def test_both_modes_and_make_callable_as_a_barrier(mode, capsys):
+    graph, x, w, loss, train, init = _model(v1.train.AdamOptimizer(0.1))
+    plain = v1.Session(graph=graph)
+    plain.run(init)
+    sess = ms.deferred(v1.Session(graph=graph), steps=3, mode=mode, report=True)
+    sess.run(init)
+    read_w = sess.make_callable(w)
+    seen, expected = [], []
+    for k in range(7):  # 7 steps: runs of 3, 3 and 1 (the callable's call a barrier)
+        feed = {x: BATCH * (k + 1)}
+        plain.run(train, feed)
+        sess.run(train, feed)
+        if k == 6:
+            seen.append(read_w())
+            expected.append(plain.run(w))
+    np.testing.assert_array_equal(seen[0], expected[0])  # exact: bitwise on floats
+    assert (sess.report().steps, sess.report().runs) == (7, 3)
+    sess.close()
+    assert "7 steps in 3 compiled runs" in capsys.readouterr().err  # report=True, at close
+
+
+def test_a_feed_buffer_reused_by_the_loop_is_copied():
+    graph, x, w, loss, train, init = _model()
+    plain = v1.Session(graph=graph)
+    plain.run(init)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess.run(init)
+    buffer = BATCH.copy()
+    for k in range(3):
+        buffer[:] = BATCH * (k + 1)  # the loop refills one array
+        plain.run(train, {x: buffer})
+        sess.run(train, {x: buffer})
+    np.testing.assert_array_equal(sess.run(w), plain.run(w))
+    assert sess.report().runs == 1
+
+
+def test_pickle_and_savez_take_lazy_values(tmp_path):
+    import pickle
+
+    graph, x, w, loss, train, init = _model()
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess.run(init)
+    _, value = sess.run([train, loss], {x: BATCH})
+    restored = pickle.loads(pickle.dumps(value))  # pickled as what Session.run returns
+    assert type(restored) is np.float32 and restored == ms.value(value)
+    _, value = sess.run([train, loss], {x: BATCH})
+    np.savez(tmp_path / "v.npz", loss=value)
+    assert np.load(tmp_path / "v.npz")["loss"] == ms.value(value)
+
+
+def test_errors_surface_at_the_read_as_tensorflows_class_naming_the_line():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None])
+        w = v1.get_variable("w", [], initializer=v1.ones_initializer())
+        # the check guards the apply (the gradient is the checked x): a failing step applies
+        # nothing, as written and deferred
+        loss = tf.reduce_sum(tf.debugging.check_numerics(x, "x") * w)
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = v1.global_variables_initializer()
+    plain = v1.Session(graph=graph)
+    plain.run(init)
+    feeds = [[1.0], [2.0], [np.inf], [3.0]]
+    for f in feeds:  # the loop as written: the third call raises
+        try:
+            plain.run(train, {x: f})
+        except tf.errors.InvalidArgumentError:
+            break
+    sess = ms.deferred(v1.Session(graph=graph), steps=8)
+    sess.run(init)
+    values = [sess.run([train, loss], {x: f})[1] for f in feeds]
+    with pytest.warns(RuntimeWarning, match="ran 1 run calls past it"):
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            float(values[0])
+    message = str(info.value)
+    assert "test_deferred.py" in message and "the 2 steps before it" in message
+    assert ms.value(values[1]) == ms.value(values[1])  # the steps before it resolve
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        ms.value(values[3])  # a step after it: never applied
+    np.testing.assert_array_equal(sess.run(w), plain.run(w))  # 2 steps applied, as written
+    assert sess.report().steps == 2
+
+
+def test_another_threads_runs_pass_through_without_flushing():
+    import threading
+
+    graph, x, w, loss, train, init = _model()
+    sess = ms.deferred(v1.Session(graph=graph), steps=8)
+    sess.run(init)
+    for _ in range(3):
+        sess.run(train, {x: BATCH})
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(sess.run(w)))
+    thread.start()
+    thread.join()
+    assert sess.report().runs == 0 and seen[0].shape == (3, 1)  # the weights before: 0 steps
+    sess.flush()
+    assert sess.report().runs == 1
+
+
+def test_an_evaluation_through_the_steps_random_op_is_warned():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3])
+        w = v1.get_variable("w", [3, 1])
+        drop = tf.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
+        loss = tf.reduce_mean(tf.square(drop))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = v1.global_variables_initializer()
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess.run(init)
+    sess.run(train, {x: BATCH})
+    with pytest.warns(ms.compiler.tripwires.OriginalOpRanWarning, match="random stream"):
+        sess.run(loss, {x: BATCH})  # the original dropout: its stream moves
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sess.run(w)  # reads nothing the steps draw from: no warning
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(steps=0), ValueError, "steps must be a positive int"),
+    (dict(steps=2.0), ValueError, "steps must be a positive int"),
+    (dict(steps=2, mode="auto"), ValueError, "mode must be"),
+    (dict(steps=2, xla="yes"), TypeError, "xla and report must be True or False"),
+    (dict(steps=2, report=1), TypeError, "xla and report must be True or False"),
+])
+def test_bad_arguments_are_refused(bad, error, match):
+    graph = _model()[0]
+    with pytest.raises(error, match=match):
+        ms.deferred(v1.Session(graph=graph), **bad)
+
+
+def test_bad_sessions_are_refused():
+    graph, x, w, loss, train, init = _model()
+    with pytest.raises(TypeError, match="takes a tf.compat.v1.Session"):
+        ms.deferred("sess", steps=2)
+    closed = v1.Session(graph=graph)
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ms.deferred(closed, steps=2)
+    sess = ms.deferred(v1.Session(graph=graph), steps=2)
+    with pytest.raises(ValueError, match="deferred already"):
+        ms.deferred(sess, steps=2)
+    with pytest.raises(NotImplementedError, match="partial_run"):
+        sess.partial_run_setup([loss], [x])
+    other = ms.deferred(v1.Session(graph=graph), steps=2)
+    sess.run(init)
+    other.run(init)
+    _, lazy = sess.run([train, loss], {x: BATCH})
+    with pytest.raises(ValueError, match="another session"):
+        other.run(train, {x: lazy})
+
+
+# -- the command line: the script as written, unchanged -----------------------------------
+
+SCRIPTS = pathlib.Path(__file__).with_name("scripts")
+
+
+def _multistep(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "multistep", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_multistep_run_prints_what_the_script_prints_fused():
+    script = SCRIPTS / "train_loop.py"
+    written = subprocess.run([sys.executable, str(script), "4"], capture_output=True,
+                             text=True, timeout=600)
+    fused = _multistep("run", "--steps", 4, script, 4)
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert fused.stdout == written.stdout  # the losses and accuracies, printed with repr
+    # 32 steps: 8 an epoch, as 4 + 4 (each epoch's loss line reads the last 4)
+    assert "32 steps in 8 compiled runs" in fused.stderr, fused.stderr[-2000:]
+
+
+def test_multistep_verify_passes_on_the_script_and_names_a_planted_difference():
+    ok = _multistep("verify", SCRIPTS / "train_loop.py", "--steps", 4, "--", 3)
+    assert ok.returncode == 0 and "OK:" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    # dropout_eval.py evaluates through the step's own dropout: its draws interleave with
+    # the steps' as written; deferred, the steps draw from the compiled program's copy.
+    planted = _multistep("verify", SCRIPTS / "dropout_eval.py", "--steps", 4)
+    assert planted.returncode == 1, planted.stdout + planted.stderr[-2000:]
+    assert "DIFFERENT" in planted.stdout and "dropout_eval.py:" in planted.stdout
+
+
+def test_a_script_that_raises_keeps_its_error_and_exit_code_after_its_steps_ran():
+    # as written, the 3 steps before the raise are applied; verify compares the variables
+    # as the script ends, and the exit codes (1 both)
+    result = _multistep("verify", SCRIPTS / "train_loop.py", "--steps", 4, "--", 1, "raise")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    raised = _multistep("run", "--steps", 4, SCRIPTS / "train_loop.py", 1, "raise")
+    assert raised.returncode == 1 and "RuntimeError: the script's own error" in raised.stderr
+    assert 'File "' + str(SCRIPTS / "train_loop.py") in raised.stderr
+
+
+def test_multistep_bench_times_the_script_against_multistep_run():
+    result = _multistep("bench", SCRIPTS / "train_loop.py", "--steps", 4, "--repeats", 1,
+                        "--", 2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "round 1/1: as written" in result.stdout
+    assert "x (median of 1 paired rounds)" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--steps", "4", "nosuch.py"], "no such file"),
+    (["run", "--steps", "0", "x.py"], "expected an integer > 0"),
+    (["verify", "nosuch.py"], "no such file"),
+])
+def test_bad_invocations_answer_before_tensorflow_loads(args, message):
+    # TensorFlow made unimportable: an answer shows it was never imported
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from multistep.tools import cli\nsys.exit(cli.main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
