@@ -21,7 +21,7 @@ from tensorflow.python.framework import op_def_registry
 
 __all__ = ["ALIAS_OPS", "CALL_OPS", "READ_OPS", "STATEFUL_RANDOM_OPS", "ancestors",
            "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds",
-           "is_stateful_random", "is_write", "order_as_built", "outer_function", "preds",
+           "is_stateful_random", "is_write", "named_few", "order_as_built", "outer_function", "preds",
            "program_nodes", "read_of", "ref_variable_of", "source_op", "stateful_random_ops",
            "stateless_replacement", "user_stacklevel", "watched_variables", "written_variables"]
 
@@ -253,6 +253,14 @@ def stateless_replacement(found):
                 "seed=tf.stack([seed, global_step])) (the guide 'Building steps from a loss function' shows it).")
     return ("Use stateless ops keyed on the global step instead, e.g. "
             "tf.random.stateless_uniform(shape, seed=tf.stack([seed, global_step])).")
+
+
+def named_few(items, shown=3):
+    """``items`` (strings) joined, the first ``shown`` of them and how many more:
+    ``"'a', 'b', 'c' and 2 more"``."""
+    items = list(items)
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def built_at(op):

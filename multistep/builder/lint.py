@@ -13,7 +13,7 @@ import warnings
 
 import tensorflow as tf
 
-from multistep.graph import (CALL_OPS, READ_OPS, ancestors_postorder, built_at, captures,
+from multistep.graph import (CALL_OPS, READ_OPS, ancestors_postorder, built_at, captures, named_few,
                              data_preds, preds, read_of, source_op, stateful_random_ops,
                              stateless_replacement, user_stacklevel)
 
@@ -172,8 +172,7 @@ def warn_stateful_random(step_root, *, name):
     found = stateful_random_ops(ancestors_postorder(step_root))
     if found:
         warnings.warn(
-            f"{name}: loss_fn uses stateful random ops ({', '.join(found[:3])}"
-            f"{', ...' if len(found) > 3 else ''}); their draws depend on how many "
+            f"{name}: loss_fn uses stateful random ops ({named_few(found)}); their draws depend on how many "
             f"sess.run calls were made, so fused and single-step results will "
             f"differ and ms.verify will fail. {stateless_replacement(found)}",
             RuntimeWarning, stacklevel=user_stacklevel())

@@ -166,6 +166,7 @@ class Compiled:
     _run_length: object = dataclasses.field(default=None, repr=False)
     _by_name: dict = dataclasses.field(default_factory=dict, repr=False)
     _copied: frozenset = dataclasses.field(default=frozenset(), repr=False)  # op names
+    _reads: frozenset = dataclasses.field(default=frozenset(), repr=False)  # placeholders read
     _roots: tuple = dataclasses.field(default=(), repr=False)  # the original fetches, flat
     _finals: dict = dataclasses.field(default_factory=dict, repr=False)  # carry=, as given
     _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
@@ -348,6 +349,15 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
             "the steps would not be bitwise those of the step compiled alone (an MLP with "
             "Adam differed). Use mode='while_loop' with xla=True: bitwise, one body.")
     links = _links(graph, carry)
+    if links:
+        reached = graph_lib.ancestors([getattr(r, "op", r) for r in roots])
+        unread = [a.name for a in links if a.op not in reached]
+        if unread:
+            raise ValueError(
+                f"ms.compile: carry's initial {unread[0]!r} is not read by the step (the "
+                f"fetches do not depend on it), so carrying a value into it would change "
+                f"nothing. Key carry= by the tensor the step reads as its initial state (an "
+                f"RNN's initial_state placeholder or cell.zero_state's tensor).")
     with tf.name_scope(name) as scope:
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
                       dynamic=frozenset() if xla else _dynamic(fetches, roots))
@@ -373,6 +383,7 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
         _by_name={original.name: (original, per_step)
                   for original, per_step in built.inputs.items()},
         _copied=frozenset(op.name for op in built.copied),
+        _reads=frozenset(op.name for op in built.placeholders),
         _roots=tuple(roots), _loss_index=loss,
         _dynamic={id(v): roots[j].shape.as_list() for j, v in enumerate(built.values)
                   if isinstance(v, tf.RaggedTensor)},
@@ -403,6 +414,13 @@ def _links(graph, carry):
                         f"initial state -> its final state), got {type(carry).__name__}.")
     links = {}
     for initial, final in carry.items():
+        if any(isinstance(t, tf.Variable) for t in tf.nest.flatten(initial)):
+            raise TypeError(
+                f"ms.compile: carry's initial {getattr(initial, 'name', initial)!r} is a "
+                f"variable. A variable carries its state from step to step by itself (each "
+                f"step reads what the step before wrote); carry= is for a value the loop "
+                f"feeds back: key it by the placeholder or tensor the step reads as its "
+                f"initial state.")
         pairs = zip(tf.nest.flatten(initial, expand_composites=True),
                     tf.nest.flatten(final, expand_composites=True))
         if len(tf.nest.flatten(initial)) != len(tf.nest.flatten(final)):
@@ -422,7 +440,7 @@ def _links(graph, carry):
 
 
 Built = collections.namedtuple("Built", "values train_op run_length inputs carried copied label "
-                                        "program partial")
+                                        "program partial placeholders")
 
 
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
@@ -475,14 +493,14 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     randoms = graph_lib.stateful_random_ops(copied)
     if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
-            f"ms.compile: the step draws with stateful random ops ({', '.join(randoms[:3])}); "
+            f"ms.compile: the step draws with stateful random ops ({graph_lib.named_few(randoms)}); "
             f"in mode='unrolled' each of the {steps} copies is a kernel of its own that "
             f"restarts the op's stream, so the steps would draw other numbers than single "
             f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
             f"which draws the single steps' stream.")
     if randoms and random == "refuse" and xla:
         warnings.warn(
-            f"{label}: xla=True over stateful random ops ({', '.join(randoms[:3])}): XLA draws "
+            f"{label}: xla=True over stateful random ops ({graph_lib.named_few(randoms)}): XLA draws "
             f"them with a generator of its own, which follows neither TensorFlow's stream nor "
             f"the seed from one run to the next, so the steps match neither single steps nor "
             f"another run of this program (ms.verify reports it). "
@@ -490,7 +508,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
     elif randoms and random == "refuse" and mode == "while_loop":
         warnings.warn(
-            f"{label}: the step draws with stateful random ops ({', '.join(randoms[:3])}). "
+            f"{label}: the step draws with stateful random ops ({graph_lib.named_few(randoms)}). "
             f"The loop body's copy of each is a kernel of its own, seeded as the original: "
             f"its draws are those of the program's own single steps only while it is the one "
             f"kernel of the op that runs in this session. Running the original ops too (a "
@@ -513,7 +531,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     keyed = [f"{op.name!r} ({op.type})" for op in ops if op.type.startswith("Collective")]
     if mode == "unrolled" and steps > 1 and (nccl or steps > MOST_KEYED_COPIES and keyed):
         raise ValueError(
-            f"ms.compile: the step all-reduces across devices ({', '.join((nccl or keyed)[:3])}); "
+            f"ms.compile: the step all-reduces across devices ({graph_lib.named_few(nccl or keyed)}); "
             f"{steps} unrolled copies of it need keys of their own, which the compiler gives "
             f"collective ops up to {MOST_KEYED_COPIES} copies and NCCL ops not at all. Use "
             f"mode='while_loop' (one kernel per op, run once a step) or fewer steps.")
@@ -572,7 +590,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
         values = values()
     outputs = [train_op if isinstance(r, tf.Operation) else v for r, v in zip(roots, values)]
     return Built(outputs, train_op, run_length, inputs, carried, copied, label, program,
-                 partial)
+                 partial, placeholders)
 
 
 def _program_body(core, template, roots, batches, links, count, steps, label, done, stop):
@@ -922,7 +940,7 @@ def _refuse_ref_variables(shared, mode, xla, label):
     fix = ("build without XLA" if xla else
            "mode='unrolled', or disable_v2_behavior() (v1 control flow carries refs)")
     raise ValueError(
-        f"{label}: the step uses ref variable(s) {', '.join(map(repr, refs[:3]))}"
+        f"{label}: the step uses ref variable(s) {graph_lib.named_few(map(repr, refs))}"
         f"{', ...' if len(refs) > 3 else ''} (use_resource=False, what "
         f"disable_v2_behavior() and disable_resource_variables() make), and {where}. Fix: "
         f"resource variables (tf.compat.v1.enable_resource_variables() before the model is "

@@ -106,9 +106,9 @@ def translate(program, feed_dict=None, feeds=None):
     if feeds is not None:
         if feed_dict:
             raise ValueError(f"{program.name}: give feed_dict or feeds, not both.")
-        return _stacked(program, [_components(f) for f in feeds])
+        return _stacked(program, [_components(_own(program, f)) for f in feeds])
     out = {}
-    for key, value in _components(feed_dict).items():
+    for key, value in _components(_own(program, feed_dict)).items():
         fed = program._by_name.get(_name(key))  # noqa: SLF001
         if fed is None:
             out[key] = _shared(program, key, value)
@@ -116,6 +116,20 @@ def translate(program, feed_dict=None, feeds=None):
         original, per_step = fed
         out[per_step] = _per_step_value(program, original, value)
     return out
+
+
+def _own(program, feed_dict):
+    """``feed_dict``, refused where a key is a tensor of another graph (``Session.run``
+    refuses it too: "not an element of this graph"; matched by name, it would train)."""
+    graph = program.train_op.graph
+    for key in feed_dict or ():
+        if getattr(key, "graph", graph) is not graph:
+            raise ValueError(
+                f"{program.name}: the feed key {key.name!r} is a tensor of another graph "
+                f"than the compiled program's (a placeholder of the same name, built again "
+                f"in a new graph?). Feed the placeholders of the graph the program was "
+                f"compiled in.")
+    return feed_dict
 
 
 def _shared(program, key, value):
@@ -180,17 +194,27 @@ def _stacked(program, feeds):
             f"{program.name}: feeds has {len(feeds)} feed dicts; mode='unrolled' makes "
             f"exactly {program.steps} steps a run. Build with mode='while_loop' to run fewer.")
     named = [{_name(key): value for key, value in feed.items()} for feed in feeds]
+    carried = {t.name for t in program._finals}  # noqa: SLF001 (taken from feeds[0] only)
     out = {}
     for k, feed in enumerate(named):
-        if feed.keys() != named[0].keys():
+        if feed.keys() - carried != named[0].keys() - carried:
             raise ValueError(f"{program.name}: feeds[{k}] feeds other placeholders than "
                              f"feeds[0]; every step's feed dict must feed the same ones.")
+        late = sorted((feed.keys() & carried) - named[0].keys())
+        if late:
+            raise ValueError(
+                f"{program.name}: feeds[{k}] feeds the carried {late[0]!r}, which feeds[0] "
+                f"does not: a run's first step starts from the carried value given in "
+                f"feeds[0] (the later steps from the step before), so give it there.")
     for key in feeds[0]:
         name = _name(key)
-        values = [feed[name] for feed in named]
+        values = [feed.get(name) for feed in named]
         fed = program._by_name.get(name)  # noqa: SLF001
         if fed is None:
             value = _shared(program, key, values[0])
+            if name in carried or name.split(":")[0] not in program._reads:  # noqa: SLF001
+                out[key] = value  # (carried: step 1's; a placeholder the step does not read:
+                continue          #  Session.run takes it and nothing reads it)
             if any(not np.array_equal(np.asarray(v), np.asarray(value)) for v in values[1:]):
                 raise ValueError(
                     f"{program.name}: {name!r} is shared by the steps (fed once a run), but "

@@ -713,9 +713,9 @@ def _run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     return engine.run(fetches, feed_dict, options, run_metadata)
 
 
-def _make_callable(self, fetches, feed_list=None, accept_options=False):
-    call = _ORIGINAL["make_callable"](self, fetches, feed_list, accept_options)
-    engine = _ENGINES.get(self)
+def _barrier_callable(session, call):
+    """``call`` (a callable of ``session``), its calls barriers of a deferred session."""
+    engine = _ENGINES.get(session)
     if engine is None:
         return call
 
@@ -725,6 +725,16 @@ def _make_callable(self, fetches, feed_list=None, accept_options=False):
         return call(*args, **kwargs)
 
     return barrier
+
+
+def _make_callable(self, fetches, feed_list=None, accept_options=False):
+    return _barrier_callable(self, _ORIGINAL["make_callable"](self, fetches, feed_list,
+                                                               accept_options))
+
+
+def _make_callable_from_options(self, callable_options):  # (tf-keras's v1 functions')
+    return _barrier_callable(self, _ORIGINAL["_make_callable_from_options"](
+        self, callable_options))
 
 
 def _close(self):
@@ -773,6 +783,8 @@ def _install():
     for owner, name, key, patched in [
             (session_lib.BaseSession, "run", "run", _run),
             (session_lib.BaseSession, "make_callable", "make_callable", _make_callable),
+            (session_lib.BaseSession, "_make_callable_from_options",
+             "_make_callable_from_options", _make_callable_from_options),
             (session_lib.BaseSession, "close", "close", _close),
             (session_lib.BaseSession, "partial_run_setup", "partial_run_setup",
              _partial_run_setup),

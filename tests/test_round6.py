@@ -1,0 +1,122 @@
+"""Round 6 of "bitwise or refused" (the issue's numbered cases that are fixed so far): each
+test is named for its case, and compares with the program as written (plain single
+``sess.run`` calls) where the case is about bits."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multistep as ms
+
+v1 = tf.compat.v1
+
+
+def _step(graph, *, extra_placeholder=False):
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        valid = v1.placeholder(tf.float32, [None, 3], name="valid") if extra_placeholder else None
+    return x, w, loss, train, valid
+
+
+BATCHES = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3) / 20
+
+
+def test_r6_03_a_feed_key_of_another_graph_is_refused():
+    # main: accepted by name, and trained (Session.run refuses the same key)
+    graph, other = tf.Graph(), tf.Graph()
+    x, w, loss, train, _ = _step(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=2)
+    x_other = _step(other)[0]  # a placeholder of the same name, in a new graph
+    with v1.Session(graph=graph) as sess:
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(ValueError, match="tensor of another graph"):
+            fused.run(sess, {x_other: BATCHES[:2]})
+        with pytest.raises(ValueError, match="tensor of another graph"):
+            fused.run(sess, feeds=[{x_other: BATCHES[0]}, {x_other: BATCHES[1]}])
+        np.testing.assert_array_equal(sess.run(w), np.ones([3, 1], np.float32))  # untouched
+
+
+def test_r6_04_a_carry_that_does_nothing_is_refused_naming_the_key():
+    # main: accepted and ignored (an initial the step never reads; a variable)
+    graph = tf.Graph()
+    x, w, loss, train, _ = _step(graph)
+    with graph.as_default():
+        unread = v1.placeholder(tf.float32, [None, 1], name="unread")
+        h = tf.matmul(x, w)
+        with pytest.raises(ValueError, match="carry's initial 'unread:0' is not read by the step"):
+            ms.compile([loss, h, train], steps=2, carry={unread: h})
+        state = v1.get_variable("state", [2, 1])
+        with pytest.raises(TypeError, match="carry's initial 'state.*' is a variable"):
+            ms.compile([loss, h, train], steps=2, carry={state: h})
+
+
+def test_r6_07_a_fed_placeholder_the_step_does_not_read_is_ignored_as_session_run_does():
+    # main: refused ("shared by the steps ... List it in ms.compile(feeds=...)")
+    written, graph = tf.Graph(), tf.Graph()  # (the program as written: a graph of its own)
+    px, pw, ploss, ptrain, pvalid = _step(written, extra_placeholder=True)
+    x, w, loss, train, valid = _step(graph, extra_placeholder=True)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=4)
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        plain.run(v1.variables_initializer([pw]))
+        sess.run(v1.variables_initializer([w]))
+        expected = [plain.run([ploss, ptrain], {px: BATCHES[k], pvalid: BATCHES[k] * 3})[0]
+                    for k in range(4)]
+        feeds = [{x: BATCHES[k], valid: BATCHES[k] * 3} for k in range(4)]  # differs each step
+        losses, _ = fused.run(sess, feeds=feeds)
+        assert losses.tobytes() == np.array(expected).tobytes()
+        assert sess.run(w).tobytes() == plain.run(pw).tobytes()
+
+
+def test_r6_08_a_carried_value_is_given_in_the_first_feed_dict_only():
+    # main: refused ("feeds[1] feeds other placeholders than feeds[0]")
+    def rnn_step():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [2, 3], name="x")
+            state = v1.placeholder(tf.float32, [2, 1], name="state")
+            w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+            final = tf.tanh(tf.matmul(x, w) + state)
+            loss = tf.reduce_mean(tf.square(final))
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return graph, x, state, final, loss, train, w
+
+    written, px, pstate, pfinal, ploss, ptrain, pw = rnn_step()  # the program as written
+    graph, x, state, final, loss, train, w = rnn_step()
+    with graph.as_default():
+        fused = ms.compile([loss, final, train], steps=4, carry={state: final})
+    start = np.full([2, 1], 0.5, np.float32)
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        plain.run(v1.variables_initializer([pw]))
+        sess.run(v1.variables_initializer([w]))
+        value, expected = start, []
+        for k in range(4):  # the loop as written feeds the state back
+            step_loss, value, _ = plain.run([ploss, pfinal, ptrain],
+                                            {px: BATCHES[k], pstate: value})
+            expected.append(step_loss)
+        feeds = [{x: BATCHES[0], state: start}] + [{x: BATCHES[k]} for k in range(1, 4)]
+        losses, finals, _ = fused.run(sess, feeds=feeds)
+        assert losses.tobytes() == np.array(expected).tobytes()
+        assert finals[-1].tobytes() == value.tobytes()
+        with pytest.raises(ValueError, match=r"feeds\[1\] feeds the carried 'state:0'"):
+            fused.run(sess, feeds=[{x: BATCHES[0]}, {x: BATCHES[1], state: start}])
+
+
+def test_r6_20_a_refusal_says_how_many_more_ops_it_did_not_name():
+    # main: named the first three random ops and not how many more there were
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3])
+        w = v1.get_variable("w", [3, 1])
+        h = tf.matmul(x, w)
+        for k in range(5):
+            h = tf.nn.dropout(h, rate=0.1, seed=k)
+        loss = tf.reduce_mean(h)
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(ValueError, match=r"stateful random ops \(.* and 2 more\)"):
+            ms.compile([loss, train], steps=2, mode="unrolled")
