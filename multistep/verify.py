@@ -104,6 +104,9 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
       >>> ms.verify(build, steps=3, runs=2).ok
       True
     """
+    if not callable(build_fn):
+        raise TypeError(f"verify: build_fn must be a callable build_fn(steps) -> (unrolled, "
+                        f"feed), got {type(build_fn).__name__}.")
     steps = _positive_int("steps", steps)
     runs = _positive_int("runs", runs)
     if not isinstance(atol, numbers.Real) or not atol >= 0:

@@ -120,3 +120,50 @@ def test_r6_20_a_refusal_says_how_many_more_ops_it_did_not_name():
         train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
         with pytest.raises(ValueError, match=r"stateful random ops \(.* and 2 more\)"):
             ms.compile([loss, train], steps=2, mode="unrolled")
+
+
+def test_r6_19_bad_arguments_are_refused_naming_them(tmp_path):
+    # main: raw or misleading errors for each (or, for StepSummaryHook, a folder ./None/)
+    graph = tf.Graph()
+    x, w, loss, train, _ = _step(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=2)
+        with pytest.raises(ValueError, match="name must be a non-empty name scope"):
+            ms.compile([loss, train], steps=2, name="")
+        with pytest.raises(ValueError, match="the fetch keyed 'loss'.*has shape"):
+            ms.compile({"loss": tf.matmul(x, w), "train": train}, steps=2)
+    with tf.Graph().as_default():
+        v1.train.get_or_create_global_step()
+        with pytest.raises(ValueError, match="ms.every: after.*another graph"):
+            ms.every(2, lambda: [], after=train)
+    with v1.Session(graph=graph) as sess:
+        sess.run(v1.global_variables_initializer())
+        for session in (None, "sess"):
+            with pytest.raises(TypeError, match="run\\(session, ...\\) takes a"):
+                fused.run(session)
+        with pytest.raises(TypeError, match="feed_dict must be a dict.*feeds="):
+            fused.run(sess, [{x: BATCHES[0]}])
+        with pytest.raises(TypeError, match="feeds must be a list of feed dicts.*a dict"):
+            fused.run(sess, feeds={x: BATCHES[:2]})
+        with pytest.raises(TypeError, match="the value fed to 'x:0' is a"):
+            fused.run(sess, {x: tf.constant(BATCHES[:2])})
+        np.testing.assert_array_equal(sess.run(w), np.ones([3, 1], np.float32))  # untouched
+    with pytest.raises(TypeError, match="build_fn must be a callable"):
+        ms.verify(None, 3)
+    with pytest.raises(TypeError, match="output_dir must be a directory path"):
+        ms.hooks.StepSummaryHook(fused, None)
+
+
+def test_r6_19_tf2_check_refuses_none_batches():
+    # main: an AttributeError from inside the leading-dimension check
+    model = tf.Variable(1.0)
+    opt = tf.keras.optimizers.SGD(0.1)
+
+    def step(batch):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(batch * model)
+        opt.apply_gradients([(tape.gradient(loss, model), model)])
+        return loss
+
+    with pytest.raises(TypeError, match="batches is None"):
+        ms.tf2.check(ms.tf2.fuse(step, steps=2), None)

@@ -205,6 +205,7 @@ class Compiled:
         too. In a ``MonitoredSession`` the error is TensorFlow's, unchanged (it ends
         training cleanly on an ``OutOfRangeError``): ``ms.hooks.InputExhaustedHook``
         reports the run."""
+        _check_run_arguments(self, session, feed_dict, feeds)
         if not isinstance(session, PLAIN_SESSIONS):
             _refuse_one_step_hooks(self, session)
         feed = self.feed_dict(feed_dict, feeds=feeds)
@@ -254,6 +255,31 @@ class Compiled:
         return tf.nest.map_structure(
             lambda fetch: kept[id(fetch)][:applied] if id(fetch) in kept else None,
             self.values)
+
+
+def _check_run_arguments(program, session, feed_dict, feeds):
+    """Refuses, naming the argument, what ``Compiled.run`` cannot take."""
+    if not callable(getattr(session, "run", None)):
+        raise TypeError(f"{program.name}: run(session, ...) takes a tf.compat.v1.Session (or a "
+                        f"MonitoredSession) first, got {type(session).__name__}.")
+    if feed_dict is not None and not isinstance(feed_dict, dict):
+        raise TypeError(
+            f"{program.name}: feed_dict must be a dict (placeholder -> value), got "
+            f"{type(feed_dict).__name__}; the run's feed dicts one a step go in "
+            f"feeds=[...].")
+    if feeds is not None and (isinstance(feeds, dict) or not all(
+            isinstance(f, dict) for f in feeds)):
+        raise TypeError(f"{program.name}: feeds must be a list of feed dicts, one a step, "
+                        f"got {type(feeds).__name__}" + (" (a dict: pass it as feed_dict)"
+                                                         if isinstance(feeds, dict) else "")
+                        + ".")
+    for feed in [feed_dict or {}] + list(feeds or ()):
+        for key, value in feed.items():
+            if isinstance(value, (tf.Tensor, tf.Operation, tf.Variable)):
+                raise TypeError(
+                    f"{program.name}: the value fed to {getattr(key, 'name', key)!r} is a "
+                    f"{type(value).__name__}; feed values are numbers and arrays (as "
+                    f"Session.run takes them): run the tensor first, or feed its value.")
 
 
 def _refuse_one_step_hooks(program, session):
@@ -329,6 +355,8 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
             "program cannot be added to it. Call ms.compile before creating the session, "
             "where the train op is built, and run fused.train_op in it.")
     steps = positive_int("steps", steps)
+    if not isinstance(name, str) or not name.strip("/"):
+        raise ValueError(f"ms.compile: name must be a non-empty name scope, got {name!r}.")
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}.")
     if not isinstance(xla, bool):
@@ -887,7 +915,16 @@ def _loss(fetches, roots):
     ``equal``, which have no gradient); or None."""
     index = tf.nest.pack_sequence_as(fetches, list(range(len(roots))), expand_composites=True)
     if isinstance(fetches, dict) and "loss" in fetches:
-        return index["loss"] if isinstance(index["loss"], int) else None
+        if not isinstance(index["loss"], int):
+            return None
+        loss = roots[index["loss"]]
+        if isinstance(loss, tf.Tensor) and loss.shape.rank not in (0, None):
+            raise ValueError(
+                f"ms.compile: the fetch keyed 'loss', {loss.name!r}, has shape {loss.shape}; "
+                f"the loss is a scalar a step (Compiled.losses, what ms.verify and the "
+                f"hooks read). Fetch the scalar loss under 'loss' (tf.reduce_mean), or key "
+                f"this tensor otherwise.")
+        return index["loss"]
     scalars = [j for j, r in enumerate(roots) if isinstance(r, tf.Tensor)
                and r.dtype.is_floating and r.shape.rank == 0 and _differentiable(r)]
     return scalars[0] if len(scalars) == 1 else None

@@ -65,6 +65,10 @@ def every(k, fn, *, after, global_step=None, name="every"):
     after = getattr(after, "op", after)
     if not isinstance(after, tf.Operation):
         raise TypeError(f"ms.every: after must be the step's train op, got {after!r}.")
+    if after.graph is not graph:
+        raise ValueError(f"ms.every: after, {after.name!r}, is an op of another graph than the "
+                         f"default graph the ops are built in; build them in its graph "
+                         f"(with after.graph.as_default():).")
 
     def run():
         ops = [getattr(op, "op", op) for op in tf.nest.flatten(fn())]

@@ -34,6 +34,7 @@ and of the others only when the run advanced it by all its steps or by none.
 import collections
 import math
 import numbers
+import os
 import statistics
 import time
 
@@ -379,6 +380,9 @@ class StepSummaryHook(_EveryNStepsHook):
     """
 
     def __init__(self, unrolled, output_dir, every_n_steps=1):
+        if not isinstance(output_dir, (str, bytes, os.PathLike)) or not output_dir:
+            raise TypeError(f"StepSummaryHook: output_dir must be a directory path, got "
+                            f"{output_dir!r}.")
         super().__init__(unrolled, every_n_steps, "StepSummaryHook")
         self._runs.fetch_summaries()
         self._output_dir = output_dir

@@ -49,6 +49,9 @@ def check(fused, *args):
     if len(args) != 1:
         raise TypeError("check(fused, batches): the batches, one argument.")
     [batches] = args
+    if batches is None:
+        raise TypeError("check(fused, batches): batches is None; give the N batches the "
+                        "fused call takes (tensors with a leading dimension N).")
     if is_iterator(batches):
         raise TypeError("check takes batches as tensors with a leading dimension N; take N "
                         "elements from the iterator first.")
