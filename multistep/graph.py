@@ -20,7 +20,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 __all__ = ["ALIAS_OPS", "CALL_OPS", "READ_OPS", "STATEFUL_RANDOM_OPS", "ancestors",
-           "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds",
+           "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds", "global_step_variable",
            "is_stateful_random", "is_write", "named_few", "order_as_built", "outer_function", "preds",
            "program_nodes", "read_of", "ref_variable_of", "source_op", "stateful_random_ops",
            "stateless_replacement", "user_stacklevel", "watched_variables", "written_variables"]
@@ -253,6 +253,20 @@ def stateless_replacement(found):
                 "seed=tf.stack([seed, global_step])) (the guide 'Building steps from a loss function' shows it).")
     return ("Use stateless ops keyed on the global step instead, e.g. "
             "tf.random.stateless_uniform(shape, seed=tf.stack([seed, global_step])).")
+
+
+def global_step_variable(graph):
+    """The graph's global step as a variable: the one in the ``GLOBAL_STEP`` collection,
+    else the one integer variable named ``global_step`` (``tf.Variable(0,
+    name="global_step", trainable=False)`` passed to ``minimize(global_step=...)``, which
+    TensorFlow's ``get_global_step`` finds only as a tensor, and refuses when it is a
+    resource variable's handle); or None."""
+    collected = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)
+    if len(collected) == 1 and isinstance(collected[0], tf.Variable):
+        return collected[0]
+    named = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+             if v.op.name.rpartition("/")[2] == "global_step" and v.dtype.base_dtype.is_integer]
+    return named[0] if len(named) == 1 else None
 
 
 def named_few(items, shown=3):

@@ -167,3 +167,35 @@ def test_r6_19_tf2_check_refuses_none_batches():
 
     with pytest.raises(TypeError, match="batches is None"):
         ms.tf2.check(ms.tf2.fuse(step, steps=2), None)
+
+
+@pytest.mark.parametrize("use_resource", [True, False])
+def test_r6_10_a_global_step_outside_the_collection_counts_the_steps(use_resource):
+    # main: resource: TensorFlow's 'Existing "global_step" does not have integer type';
+    # ref: AttributeError: 'SymbolicTensor' object has no attribute '_ref'
+    def program():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 3], name="x")
+            w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+            step = v1.Variable(0, name="global_step", trainable=False, use_resource=use_resource)
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+            train = v1.train.AdamOptimizer(0.1).minimize(loss, global_step=step)
+        return graph, x, w, step, loss, train
+
+    written, px, pw, pstep, ploss, ptrain = program()
+    graph, x, w, step, loss, train = program()
+    mode = "while_loop" if use_resource else "unrolled"  # (ref variables: unrolled here)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=4, mode=mode)
+        assert fused.global_step is step and fused.step_increment == 1
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        with written.as_default():
+            plain.run(v1.global_variables_initializer())
+        with graph.as_default():
+            sess.run(v1.global_variables_initializer())
+        expected = [plain.run([ploss, ptrain], {px: BATCHES[k]})[0] for k in range(4)]
+        losses, _ = fused.run(sess, {x: BATCHES})
+        assert losses.tobytes() == np.array(expected).tobytes()
+        assert sess.run(w).tobytes() == plain.run(pw).tobytes()
+        assert sess.run(step) == plain.run(pstep) == 4

@@ -1002,7 +1002,7 @@ def check_graph_size(graph, in_step, steps, label):
 
 
 def _global_step(graph, copied):
-    step = tf.compat.v1.train.get_global_step(graph)
+    step = graph_lib.global_step_variable(graph)
     if step is None:
         return None
     owner = graph_lib.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001
@@ -1013,7 +1013,7 @@ def _global_step(graph, copied):
 def _step_increment(graph, copied):
     """What a step adds to the global step: the sum of the constants its ``assign_add``s
     add (``minimize(global_step=)`` adds 1), or None where a write is of another kind."""
-    step = tf.compat.v1.train.get_global_step(graph)
+    step = graph_lib.global_step_variable(graph)
     if step is None:
         return None
     owner = graph_lib.source_op(step.handle if hasattr(step, "handle") else step._ref())  # noqa: SLF001

@@ -13,6 +13,8 @@ import numbers
 
 import tensorflow as tf
 
+from multistep import graph as graph_lib
+
 __all__ = ["every"]
 
 
@@ -58,7 +60,7 @@ def every(k, fn, *, after, global_step=None, name="every"):
         raise TypeError(f"ms.every: fn must be a callable that builds the ops to run, got "
                         f"{type(fn).__name__}.")
     graph = tf.compat.v1.get_default_graph()
-    step = global_step if global_step is not None else tf.compat.v1.train.get_global_step(graph)
+    step = global_step if global_step is not None else graph_lib.global_step_variable(graph)
     if step is None:
         raise ValueError("ms.every: no global step to count by: build it "
                          "(tf.compat.v1.train.get_or_create_global_step()) or pass global_step=.")
