@@ -199,3 +199,36 @@ def test_r6_10_a_global_step_outside_the_collection_counts_the_steps(use_resourc
         assert losses.tobytes() == np.array(expected).tobytes()
         assert sess.run(w).tobytes() == plain.run(pw).tobytes()
         assert sess.run(step) == plain.run(pstep) == 4
+
+
+@pytest.mark.parametrize("form", ["feed_dict", "feeds"])
+def test_r6_12_a_failing_check_raises_step_failed_error_with_the_applied_steps(form):
+    # main: TensorFlow's raw InvalidArgumentError (no count, no .values): its message
+    # named only the node inside the loop body's function, "{{node step/CheckNumerics}}"
+    def program():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None], name="x")
+            w = v1.get_variable("w", [], initializer=v1.ones_initializer())
+            # the check guards the apply (the gradient is the checked x)
+            loss = tf.reduce_sum(tf.debugging.check_numerics(x, "x") * w)
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return graph, x, w, loss, train
+
+    written, px, pw, ploss, ptrain = program()
+    graph, x, w, loss, train = program()
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=3)
+    batches = np.array([[1.0], [np.inf], [2.0]], np.float32)
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        plain.run(v1.variables_initializer([pw]))
+        sess.run(v1.variables_initializer([w]))
+        first = plain.run([ploss, ptrain], {px: batches[0]})[0]
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            plain.run(ptrain, {px: batches[1]})  # as written: the loop stops here
+        kwargs = ({"feed_dict": {x: batches}} if form == "feed_dict"
+                  else {"feeds": [{x: b} for b in batches]})
+        with pytest.raises(ms.StepFailedError, match="the first 1 of its 3 steps") as info:
+            fused.run(sess, **kwargs)
+        assert info.value.values[0].tobytes() == np.array([first]).tobytes()
+        assert sess.run(w).tobytes() == plain.run(pw).tobytes()

@@ -242,8 +242,13 @@ class Compiled:
         if self._run_length is None or self._run_length.done is None:
             return False
         label = re.escape(self.name)
-        return re.search(rf"{label}/loop/body/|{label.replace('/', '_')}_loop_body",
-                         error.message) is not None
+        if re.search(rf"{label}/loop/body/|{label.replace('/', '_')}_loop_body",
+                     error.message) is not None:
+            return True
+        # TensorFlow's message may name only the node inside the body's function, the
+        # step's copy of an original op: "{{node step/<original name>}}"
+        nodes = re.findall(r"\{\{node step/([^}]+)\}\}", error.message)
+        return any(node in self._copied for node in nodes)
 
     def _applied(self, session):
         """The values of the steps the last run ended (all of them, or those before the
