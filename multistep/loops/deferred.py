@@ -30,6 +30,7 @@ import collections
 import copy
 import dataclasses
 import os
+import re
 import sys
 import threading
 import warnings
@@ -325,11 +326,14 @@ class _Engine:
                           if key[0] == kind.name and set(computed) <= set(dict(key[1]))), links)
             computed = [i for i in computed if i not in links]
         if computed:  # a value fed to a tensor the step computes, not fed back: as written
-            for record in records:
+            for i, record in enumerate(records):
                 self.direct[f"{kind.keys[computed[0]].name} is fed and not carried (not a "
                             f"value of the step before it)"] += 1
-                feed = dict(zip(kind.keys, record.feed))
-                self._settle([record], kind, self._raw(kind.flat, feed, None, None), None)
+                try:
+                    values = self._raw(kind.flat, dict(zip(kind.keys, record.feed)), None, None)
+                except tf.errors.OpError as error:
+                    self._failed(kind, records[i:], error, None, 0)
+                self._settle([record], kind, values, None)
             return
         program = self._program(kind, links, len(records))
         first = records[0].feed
@@ -340,9 +344,9 @@ class _Engine:
         try:
             values = program.run(self.session, feeds=feeds)
         except (InputExhaustedError, StepFailedError) as error:
-            self._failed(kind, records, error, error.values, self._done(program))
+            self._failed(kind, records, error, error.values, self._done(program, error))
         except tf.errors.OpError as error:
-            self._failed(kind, records, error, None, self._done(program))
+            self._failed(kind, records, error, None, self._done(program, error))
         else:
             self.stats_runs += 1
             self.stats_steps += len(records)
@@ -362,14 +366,19 @@ class _Engine:
             record.values = [None if v is None else _step_value(v, i) for v in flat]
             record.done = True
 
-    def _done(self, program):
-        """The steps the last run of ``program`` applied before it failed (loop mode
-        counts them), or 0 where the program cannot tell (unrolled mode: then the failing
-        run applied none, or its error names the step)."""
+    def _done(self, program, error):
+        """The steps the last run of ``program`` applied before ``error``: loop mode
+        counts them; in unrolled mode the failing op's name says its copy, step k (the
+        copies before it are applied); else 0."""
         done = getattr(program._run_length, "done", None)  # noqa: SLF001
-        return 0 if done is None else int(self._raw(done, None, None, None))
+        if done is not None:
+            return int(self._raw(done, None, None, None))
+        failed = getattr(error.op, "name", None) or error.message
+        where = re.search(rf"{re.escape(program.name)}/step_(\d+)/", failed)
+        return int(where.group(1)) - 1 if where else 0
 
     def _failed(self, kind, records, error, values, applied):
+        applied = min(applied, len(records) - 1)  # (an error after the last step: its own)
         if applied:
             self.stats_runs += 1
             self.stats_steps += applied
