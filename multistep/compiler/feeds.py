@@ -78,6 +78,8 @@ def prepared(inputs, count, label):
 def _components(feed_dict):
     """``feed_dict`` with each composite key (a ``sparse_placeholder``'s SparseTensor) and
     its value split into their component tensors, as ``Session.run`` splits them."""
+    if not any(isinstance(key, tf.SparseTensor) for key in feed_dict or ()):
+        return feed_dict or {}
     out = {}
     for key, value in (feed_dict or {}).items():
         if isinstance(key, tf.SparseTensor):

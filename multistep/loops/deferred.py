@@ -338,8 +338,12 @@ class _Engine:
         program = self._program(kind, links, len(records))
         first = records[0].feed
         kept = [i for i in range(len(kind.keys)) if i in links or i not in kind.unread]
-        feeds = [{kind.keys[i]: first[i] if i in links else record.feed[i] for i in kept}
-                 for record in records]  # (carried: step 1's value, the program follows it)
+        # keyed by name where it can be (a string hashes faster than a tensor); carried:
+        # step 1's value, the program follows it
+        keys = kind.keys if any(isinstance(k, tf.SparseTensor) for k in kind.keys) else [
+            k.name for k in kind.keys]
+        feeds = [{keys[i]: first[i] if i in links else record.feed[i] for i in kept}
+                 for record in records]
         self.local.depth = getattr(self.local, "depth", 0) + 1
         try:
             values = program.run(self.session, feeds=feeds)
