@@ -220,3 +220,21 @@ def test_blobs_on_two_replicas_in_loop_mode_and_steps_auto_refused():
     assert "max |Δ| = 0 (bitwise equal)" in result.stdout and ": OK" in result.stdout
     result = multistep("blobs", "--replicas", "2", "--steps", "auto")
     assert result.returncode == 2 and "--replicas needs a number of --steps" in result.stderr
+
+
+def test_version_and_conflicting_options_answer_before_tensorflow_loads():
+    import multistep
+
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from multistep.tools import cli\nsys.exit(cli.main(sys.argv[1:]))")
+
+    def answer(*args):
+        return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    version = answer("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"multistep {multistep.__version__}"
+    conflict = answer("blobs", "--steps", "auto", "--mode", "unrolled")
+    assert conflict.returncode == 2 and "cannot run with --mode unrolled" in conflict.stderr
+    outside = answer("bench", "--cpu", "4096")
+    assert outside.returncode == 2 and "is not a core this process may use" in outside.stderr

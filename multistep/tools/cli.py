@@ -23,6 +23,16 @@ def main(argv=None):
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)  # --help and usage errors end here, before TensorFlow loads
+    if args.command == "blobs" and args.steps == "auto" and args.mode == "unrolled":
+        parser.error("blobs: --steps auto tunes a loop's run length (mode while_loop); it "
+                     "cannot run with --mode unrolled")
+    if args.command == "bench" and args.script is None:
+        allowed = sorted(os.sched_getaffinity(0))
+        if args.cpu is None:
+            args.cpu = allowed[0]  # (a core taskset allowed, not core 0 whatever it allowed)
+        elif args.cpu >= 0 and args.cpu not in allowed:
+            parser.error(f"bench: --cpu {args.cpu} is not a core this process may use "
+                         f"({', '.join(map(str, allowed))})")
     if script_args:
         args.args = list(getattr(args, "args", None) or []) + script_args
     if args.command is None:
@@ -88,9 +98,12 @@ def _restore(saved, file, lines):
 
 
 def _parser():
+    from multistep import __version__
+
     parser = argparse.ArgumentParser(
         prog="multistep",
         description="N real descent steps in one sess.run, checked against N single steps.")
+    parser.add_argument("--version", action="version", version=f"multistep {__version__}")
     sub = parser.add_subparsers(dest="command")
 
     blobs = sub.add_parser(
@@ -174,7 +187,8 @@ def _parser():
         "graph", help="write an unrolled graph for TensorBoard and summarise its ops per step")
     graph.add_argument("target", metavar="FILE.py:FN", nargs="?",
                        help="a build_fn(steps) -> (unrolled, feed_dict); default: the blobs model")
-    graph.add_argument("--steps", type=_positive, default=3)
+    graph.add_argument("--steps", type=_positive, default=3,
+                       help="inner steps of the graph written (default 3)")
     graph.add_argument("--mode", choices=MODES, default="unrolled",
                        help="for the blobs model (a build_fn picks its own)")
     graph.add_argument("--logdir", default=os.path.join("tensorboard_logs", "graph"),
@@ -189,13 +203,17 @@ def _parser():
                             "(interleaved rounds, paired); its arguments after --")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: blobs, N in {1, 10}, few repeats")
-    bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS))
+    bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS),
+                       help="the models timed (default: all)")
     bench.add_argument("--steps", nargs="+", type=_positive, default=[1, 10, 100, 1000],
                        help="values of N (default 1 10 100 1000)")
-    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS))
+    bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS),
+                       metavar="METHOD",
+                       help="the methods timed (default: all): " + ", ".join(BENCH_METHODS))
     bench.add_argument("--repeats", type=_positive, default=7, help="timed repeats (default 7)")
-    bench.add_argument("--cpu", type=int, default=0,
-                       help="pin this process to one core (default 0); -1 leaves it unpinned")
+    bench.add_argument("--cpu", type=int, default=None,
+                       help="pin this process to this core (default: the first core this "
+                            "process may use, as taskset allowed it); -1 leaves it unpinned")
     bench.add_argument("--out", default="bench_results",
                        help="directory for bench.csv, graph.csv and bench.png (default bench_results)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
