@@ -9,9 +9,9 @@ written, and the deferred session's report (steps, compiled runs). Each case is 
 returning (the variables' values at the end, the values the loop read, in order).
 """
 
-import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -33,6 +33,14 @@ STEPS = 4  # N of the deferred session in every case
 def _variables(sess):
     with sess.graph.as_default():
         return {v.op.name: sess.run(v) for v in v1.global_variables()}
+
+
+def _fresh_folder(name):
+    """An empty folder of a fixed path (the same in every run of the cases)."""
+    folder = os.path.join(tempfile.gettempdir(), "multistep_deferred_cases", name)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    return folder
 
 
 def _dense(x, units, name, activation=None):
@@ -232,7 +240,8 @@ def case_data(session):
 
 def case_checkpoint(session):
     """Saves every 3 steps; a second graph restores the last checkpoint and trains on."""
-    folder = tempfile.mkdtemp()
+    folder = _fresh_folder("checkpoint")  # (one path: Saver.save returns it, and
+    #                                        `multistep verify` compares what runs return)
     rng = np.random.RandomState(8)
     xs, ys = rng.randn(10, 4, 3).astype(np.float32), rng.randn(10, 4, 1).astype(np.float32)
 
@@ -267,7 +276,7 @@ def case_checkpoint(session):
 
 def case_summary(session):
     """A summary fetched with the train op and written every step."""
-    folder = tempfile.mkdtemp()
+    folder = _fresh_folder("summary")
     rng = np.random.RandomState(10)
     xs, ys = rng.randn(10, 4, 3).astype(np.float32), rng.randn(10, 4, 1).astype(np.float32)
     graph = tf.Graph()
@@ -401,18 +410,23 @@ def case_monitored(session):
     return final, [float(v) for v in logged], mon
 
 
-def _kernel_differences(engine):
+def _kernel_differences(session):
     """For each program the deferred session compiled: the first difference between the
     kernels its loop body executed and those of the step run alone (as written), in a
-    scratch session of the graph from fresh initial values, or None where they agree.
-    (A graph a MonitoredSession finalized takes no initializer: not compared, [].)"""
+    scratch session of the graph from fresh initial values, or None where they agree."""
     from multistep.compiler import kernels
 
-    graph = engine.session.graph
-    if graph.finalized:
+    engine = session._engine
+    if not engine.programs:
         return []
+    graph = next(iter(engine.programs.values())).train_op.graph
+    finalized = graph.finalized  # (a MonitoredSession's: opened for the scratch initializer)
+    if finalized:
+        graph._unsafe_unfinalize()
     with graph.as_default():
         init = [v1.global_variables_initializer(), v1.local_variables_initializer()]
+    if finalized:
+        graph.finalize()
     out = []
     for (name, links), program in engine.programs.items():
         kind = engine.canonical[name]
@@ -446,7 +460,7 @@ def compare(name):
     vars_, reads, _ = fn(deferred)
     reads = ms.value(reads)
     reports = [s.report() for s in sessions]
-    kernel_differences = [d for s in sessions for d in _kernel_differences(s._engine)]
+    kernel_differences = [d for s in sessions for d in _kernel_differences(s)]
     different = [k for k in written_vars if k not in vars_ or np.asarray(
         written_vars[k]).tobytes() != np.asarray(vars_[k]).tobytes()]
     same_reads = len(reads) == len(written_reads) and all(

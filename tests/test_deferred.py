@@ -330,3 +330,12 @@ def test_bad_invocations_answer_before_tensorflow_loads(args, message):
     result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_multistep_verify_passes_on_the_loop_shapes_as_one_script():
+    """Every loop shape of deferred_cases.py but the tf.data one, unchanged, under
+    `multistep run`: each Session.run call's values and each session's variables at its
+    close bitwise those of the script as written."""
+    result = _multistep("verify", SCRIPTS / "loop_shapes.py", "--steps", 4, timeout=900)
+    assert result.returncode == 0 and "OK:" in result.stdout, (result.stdout
+                                                               + result.stderr[-3000:])

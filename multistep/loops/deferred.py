@@ -57,6 +57,7 @@ _LIBRARY_DIRS = (_TF_DIR, os.path.dirname(os.path.abspath(np.__file__)) + os.sep
 _APPLY_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
 
 _ENGINES = weakref.WeakKeyDictionary()  # raw tf.compat.v1.Session -> _Engine
+_ALL = []  # every _Engine made, in order (small: an engine holds its session weakly)
 _ORIGINAL = {}  # BaseSession method name -> TensorFlow's own
 _AUTO = {}  # multistep run: every new session deferred with these options
 
@@ -120,6 +121,7 @@ class _Kind:
 
 @dataclasses.dataclass(eq=False)
 class _Pending:
+    session: object  # (held: a session with pending steps is not collected)
     kind: _Kind
     records: list
     links: dict  # fed key's index -> index of the fetch of the step before it fed to it
@@ -130,7 +132,11 @@ class _Engine:
     """The deferral of one raw session."""
 
     def __init__(self, session, steps, mode, xla, report_on_close=False):
-        self.session, self.steps, self.mode, self.xla = session, steps, mode, xla
+        # The session weakly: a session the loop drops is collected (and closed) as it
+        # would be as written; while steps are pending, _Pending holds it.
+        self._session = weakref.ref(session)
+        self.steps, self.mode, self.xla = steps, mode, xla
+        _ALL.append(self)
         self.report_on_close = report_on_close
         self.lock = threading.RLock()
         self.owner = threading.get_ident()
@@ -145,6 +151,10 @@ class _Engine:
         self.direct = collections.Counter()
         self.causes = collections.Counter()
         self.closed = False
+
+    @property
+    def session(self):
+        return self._session()
 
     # -- entry points ------------------------------------------------------------------
 
@@ -276,7 +286,8 @@ class _Engine:
             pending = None
         if pending is None:
             feed = [lazy_lib.value(v) for v in feed]  # (a value of a step that just ran)
-            pending = self.pending = _Pending(kind, [], {}, [_shape(v) for v in feed])
+            pending = self.pending = _Pending(self.session, kind, [], {},
+                                              [_shape(v) for v in feed])
         elif len(pending.records) == 1:
             pending.links = links
         record = _Record(self, feed, site, self.calls)
@@ -691,14 +702,14 @@ def defer_every_session(steps, *, mode="while_loop", xla=False):
 
 
 def reports():
-    """The report of each live deferred session."""
-    return [engine.report() for engine in list(_ENGINES.values())]
+    """The report of each session deferred in this process, in the order they were."""
+    return [engine.report() for engine in _ALL]
 
 
 def flush_all(cause="interpreter exit"):
     """Runs every session's pending steps (interpreter exit, ``multistep run``'s end)."""
-    for engine in list(_ENGINES.values()):
-        if not engine.closed:
+    for engine in list(_ALL):
+        if not engine.closed and engine.pending is not None:
             engine.flush(cause)
 
 

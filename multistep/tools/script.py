@@ -72,7 +72,8 @@ class _Recorder:
 
         from multistep.loops import deferred
 
-        self.runs, self.sites, self.closes, self.sessions = [], [], [], weakref.WeakSet()
+        # the sessions in the order they first ran (a WeakSet's order is not kept)
+        self.runs, self.sites, self.closes, self.sessions = [], [], [], {}
         self.first = None
         run, close = session_lib.BaseSession.run, session_lib.BaseSession.close
         recorder, self.run = self, run  # (the run it wraps: its own reads are not recorded)
@@ -84,13 +85,13 @@ class _Recorder:
             if not inside:
                 if recorder.first is None:
                     recorder.first = time.perf_counter()
-                recorder.sessions.add(sess)
+                recorder.sessions.setdefault(id(sess), weakref.ref(sess))
                 recorder.runs.append(result)
                 recorder.sites.append(deferred._site())  # noqa: SLF001
             return result
 
         def recorded_close(sess):
-            if not getattr(sess, "_closed", True) and sess in recorder.sessions:
+            if not getattr(sess, "_closed", True) and id(sess) in recorder.sessions:
                 engine = deferred._ENGINES.get(sess)  # noqa: SLF001
                 if engine is not None and not engine.closed:
                     engine.flush("close")  # (TensorFlow may close from a thread of its own)
@@ -111,11 +112,12 @@ class _Recorder:
     def finish(self, path, code, elapsed):
         import multistep as ms
 
-        for sess in list(self.sessions):
-            if not getattr(sess, "_closed", True):
+        for ref in list(self.sessions.values()):
+            sess = ref()
+            if sess is not None and not getattr(sess, "_closed", True):
                 self.closes.append(self.variables(sess))
-        try:
-            runs = [ms.value(r) for r in self.runs]
+        try:  # each run's values as a flat list (a MonitoredSession keys its by hook)
+            runs = [_leaves(ms.value(r), []) for r in self.runs]
         except Exception as error:  # noqa: BLE001 (a value of a step that failed)
             runs = [repr(error)]
         with open(path, "wb") as f:
@@ -124,23 +126,26 @@ class _Recorder:
                          "from_first_run": time.perf_counter() - (self.first or 0)}, f)
 
 
+def _leaves(x, out):
+    """The values in ``x`` (a run's result: nests of lists, tuples and dicts, a dict's in
+    its own order), flat."""
+    if isinstance(x, dict):
+        for value in x.values():
+            _leaves(value, out)
+    elif isinstance(x, (list, tuple)):
+        for value in x:
+            _leaves(value, out)
+    else:
+        out.append(x)
+    return out
+
+
 def compare(a, b):
     """The first difference between two records (``run_script(record=...)``), as a
     sentence, or None if they are bitwise the same."""
     import numpy as np
 
     from multistep._compare import same_bits
-
-    def leaves(x, out):
-        if isinstance(x, dict):
-            for k in sorted(x, key=repr):
-                leaves(x[k], out)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                leaves(v, out)
-        else:
-            out.append(x)
-        return out
 
     def same(x, y):
         if isinstance(x, (np.ndarray, np.generic)) or isinstance(y, (np.ndarray, np.generic)):
@@ -152,7 +157,7 @@ def compare(a, b):
     if len(a["runs"]) != len(b["runs"]):
         return f"the scripts made {len(a['runs'])} and {len(b['runs'])} Session.run calls"
     for i, (x, y) in enumerate(zip(a["runs"], b["runs"])):
-        lx, ly = leaves(x, []), leaves(y, [])
+        lx, ly = _leaves(x, []), _leaves(y, [])
         if len(lx) != len(ly) or not all(same(p, q) for p, q in zip(lx, ly)):
             return (f"the values of Session.run call {i + 1} (at {a['sites'][i]}) differ")
     if len(a["closes"]) != len(b["closes"]):
