@@ -1,6 +1,6 @@
 """The deferred session against the loop as written, in one process, rounds interleaved.
 
-    taskset -c 0 python benchmarks/deferred.py [--steps 100] [--rounds 7]
+    taskset -c 0 python benchmarks/deferred.py [--model blobs|mlp] [--steps 100] [--rounds 7]
 
 Three figures (issue: the training loop as written):
 - the deferral cost of one step run (feed copies, lazy values, bookkeeping): the time of
@@ -8,6 +8,8 @@ Three figures (issue: the training loop as written):
 - blobs (50 points, dense 2 -> 2 from ones, SGD; a batch fed every call, the loss
   accumulated in Python): the loop as written against the same loop with its session
   deferred (``ms.deferred(sess, steps=N)``), without and with XLA;
+- ``--model mlp``: the same loops over the feed-a-call MLP tutorial's step at the size the
+  tests shrink it to (tests/deferred_cases.py);
 - the same loop against the hand port through ``ms.compile`` (the N feed dicts collected,
   ``fused.run(sess, feeds=...)``, the loop body replayed over the returned values).
 Each figure is a median of per-round ratios; a round times every variant once, the order
@@ -44,6 +46,29 @@ def blobs_graph():
         init = v1.global_variables_initializer()
     feeds = (x, y, lr), (x_data.astype(np.float32), labels.astype(np.int32), np.float32(0.01))
     return graph, train, loss, init, feeds
+
+
+def mlp_graph():
+    """The feed-a-call MLP tutorial's step, at the size tests/deferred_cases.py shrinks it
+    to: 6 inputs, 16 hidden units, 3 classes, RMSProp, a batch of 10."""
+    rng = np.random.RandomState(3)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.float32, [None, 3], name="y")
+        lr = v1.placeholder_with_default(0.01, [], name="lr")
+        w1 = v1.get_variable("w1", [6, 16], initializer=v1.glorot_uniform_initializer(seed=1))
+        w2 = v1.get_variable("w2", [16, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        logits = tf.identity(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2), name="logits")
+        loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        train = v1.train.RMSPropOptimizer(lr).minimize(loss)
+        init = v1.global_variables_initializer()
+    feeds = (x, y, lr), (rng.randn(10, 6).astype(np.float32),
+                         np.eye(3, dtype=np.float32)[rng.randint(0, 3, 10)], np.float32(0.01))
+    return graph, train, loss, init, feeds
+
+
+MODELS = {"blobs": blobs_graph, "mlp": mlp_graph}
 
 
 def loop(sess, train, loss, feeds, steps):
@@ -93,6 +118,7 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="N (default 100)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--epochs", type=int, default=10, help="N-step blocks a timing")
+    parser.add_argument("--model", choices=sorted(MODELS), default="blobs")
     args = parser.parse_args()
     n, total = args.steps, args.steps * args.epochs
     print(f"deferral cost of one step run (3 fetches, 3 feeds): "
@@ -101,7 +127,7 @@ def main():
     variants = {}
     for name, xla in [("as written", None), ("deferred", False), ("deferred+xla", True),
                       ("hand port (ms.compile)", "port")]:
-        graph, train, loss, init, feeds = blobs_graph()
+        graph, train, loss, init, feeds = MODELS[args.model]()
         sess = v1.Session(graph=graph)
         if xla == "port":
             with graph.as_default():
@@ -123,7 +149,7 @@ def main():
             variants[name]()
             times[name].append((time.perf_counter() - start) / total)
     base = times["as written"]
-    print(f"\nblobs, a feed every call, N = {n}, {total} steps a timing, "
+    print(f"\n{args.model}, a feed every call, N = {n}, {total} steps a timing, "
           f"{args.rounds} rounds (median us a step; ratio: the loop as written / the variant)")
     for name in names:
         ratio = statistics.median(a / b for a, b in zip(base, times[name]))
