@@ -20,10 +20,11 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 __all__ = ["ALIAS_OPS", "CALL_OPS", "READ_OPS", "STATEFUL_RANDOM_OPS", "ancestors",
-           "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds", "global_step_variable",
-           "is_stateful_random", "is_write", "named_few", "order_as_built", "outer_function", "preds",
-           "program_nodes", "read_of", "ref_variable_of", "source_op", "stateful_random_ops",
-           "stateless_replacement", "user_stacklevel", "watched_variables", "written_variables"]
+           "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds",
+           "global_step_variable", "is_stateful_random", "is_write", "named_few", "order_as_built",
+           "outer_function", "preds", "program_nodes", "read_of", "ref_variable_of", "source_op",
+           "stateful_random_ops", "stateless_replacement", "user_stacklevel", "watched_variables",
+           "written_variables"]
 
 # Ops that take a variable as input without reading its value.
 _METADATA_OPS = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized"})

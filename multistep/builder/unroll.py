@@ -30,17 +30,18 @@ from multistep.builder import checks
 from multistep import graph as graph_lib
 from multistep.compiler import xla as xla_lib
 from multistep.builder import lint
-from multistep.compiler.compile import (GraphTooLargeError, build, check_graph_size, make_run_length,
-                                        positive_int, set_steps_per_run)
-from multistep.compiler.runs import PLAIN_SESSIONS, InputExhaustedError, callable_for, exhausted_message
+from multistep.compiler.compile import (GraphTooLargeError, build, check_graph_size,
+                                        make_run_length, positive_int, set_steps_per_run)
+from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, callable_for,
+                                     exhausted_message)
 from multistep.builder import phases as phases_lib
 from multistep.builder import step as step_lib
 from multistep.builder.checks import RECORDS
 from multistep.choices import MODES
 from multistep.builder.inputs import Inputs
 
-__all__ = ["GraphTooLargeError", "InputExhaustedError", "MODES", "NONFINITE", "RECORDS", "Unrolled",
-           "unroll"]
+__all__ = ["GraphTooLargeError", "InputExhaustedError", "MODES", "NONFINITE", "RECORDS",
+           "Unrolled", "unroll"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,9 @@ from multistep.compiler.feeds import per_step_input, per_step_placeholders, prep
 from multistep.compiler.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
                                      template_of)
 from multistep.compiler.placement import STATE_OWNERS, placement
-from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError, callable_for,
-                                     exhausted_message, failed_message, per_step_values)
+from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError,
+                                     callable_for, exhausted_message, failed_message,
+                                     per_step_values)
 
 __all__ = ["COMPILE_MODES", "Compiled", "GraphTooLargeError", "InputExhaustedError",
            "STATE_OWNERS", "StepFailedError", "compile", "placement"]

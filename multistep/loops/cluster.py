@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 import time
 
-__all__ = ["PORT_TAKEN", "PortTakenError", "WorkerFailedError", "Workers", "free_ports", "run_workers", "tf_config"]
+__all__ = ["PORT_TAKEN", "PortTakenError", "WorkerFailedError", "Workers", "free_ports",
+           "run_workers", "tf_config"]
 
 HOST = "127.0.0.1"
 # What a worker's stderr says when its server could not bind its port.

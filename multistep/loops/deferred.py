@@ -108,7 +108,7 @@ class _Kind:
     run, and the fetches as graph elements."""
 
     step: bool
-    flat: list  # the fetches as graph elements, in _flatten's order
+    flat: list  # the fetches as graph elements, in flatten_fetches's order
     keys: tuple  # the fed keys, as graph elements (tensors)
     reached: frozenset  # what the fetches depend on
     name: tuple  # the structure, the fetches' and the fed keys' names
@@ -435,7 +435,7 @@ def _step_value(stacked, i):
 
 def _classify(graph, fetches, feed_dict):
     """What a run of ``fetches`` with ``feed_dict``'s keys is (``_Kind``)."""
-    flat = [graph.as_graph_element(f) for f in _flatten(fetches)]
+    flat = [graph.as_graph_element(f) for f in flatten_fetches(fetches)]
     keys = tuple(k if isinstance(k, tf.SparseTensor) else graph.as_graph_element(k)
                  for k in (feed_dict or ()))
     reached = graph_lib.ancestors([getattr(f, "op", f) for f in flat])
@@ -469,16 +469,16 @@ def _structure_key(fetches, leaf=id):
     return leaf(fetches)
 
 
-def _flatten(fetches, out=None):
+def flatten_fetches(fetches, out=None):
     """The leaves of ``fetches`` in ``Session.run``'s order (a dict's in its own order: its
     keys need not compare, as a MonitoredSession's hook-keyed fetches do not)."""
     out = [] if out is None else out
     if isinstance(fetches, dict):
         for value in fetches.values():
-            _flatten(value, out)
+            flatten_fetches(value, out)
     elif isinstance(fetches, (list, tuple)):
         for value in fetches:
-            _flatten(value, out)
+            flatten_fetches(value, out)
     else:
         out.append(fetches)
     return out

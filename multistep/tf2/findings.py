@@ -12,7 +12,9 @@ from tensorflow.python.framework import op_def_registry
 from multistep import graph as graph_lib
 from multistep.builder import lint
 
-__all__ = ['Finding', 'capture_findings', 'held_constants', 'loop_bodies', 'python_state_findings', 'random_ops', 'random_under_xla_message', 'referenced', 'stale_findings', 'written_variables']
+__all__ = ["Finding", "capture_findings", "held_constants", "loop_bodies", "python_state_findings",
+           "random_ops", "random_under_xla_message", "referenced", "stale_findings",
+           "written_variables"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,33 +111,21 @@ class _Recorder:
 
     def finish(self, path, code, elapsed):
         import multistep as ms
+        from multistep.loops import deferred
 
         for ref in list(self.sessions.values()):
             sess = ref()
             if sess is not None and not getattr(sess, "_closed", True):
                 self.closes.append(self.variables(sess))
         try:  # each run's values as a flat list (a MonitoredSession keys its by hook)
-            runs = [_leaves(ms.value(r), []) for r in self.runs]
+            runs = [deferred.flatten_fetches(ms.value(r)) for r in self.runs]
         except Exception as error:  # noqa: BLE001 (a value of a step that failed)
             runs = [repr(error)]
         with open(path, "wb") as f:
-            pickle.dump({"runs": runs, "sites": self.sites, "closes": [ms.value(c) for c in self.closes],
+            pickle.dump({"runs": runs, "sites": self.sites,
+                         "closes": [ms.value(c) for c in self.closes],
                          "exit": code, "seconds": elapsed,
                          "from_first_run": time.perf_counter() - (self.first or 0)}, f)
-
-
-def _leaves(x, out):
-    """The values in ``x`` (a run's result: nests of lists, tuples and dicts, a dict's in
-    its own order), flat."""
-    if isinstance(x, dict):
-        for value in x.values():
-            _leaves(value, out)
-    elif isinstance(x, (list, tuple)):
-        for value in x:
-            _leaves(value, out)
-    else:
-        out.append(x)
-    return out
 
 
 def compare(a, b):
@@ -146,6 +134,7 @@ def compare(a, b):
     import numpy as np
 
     from multistep._compare import same_bits
+    from multistep.loops import deferred
 
     def same(x, y):
         if isinstance(x, (np.ndarray, np.generic)) or isinstance(y, (np.ndarray, np.generic)):
@@ -157,9 +146,9 @@ def compare(a, b):
     if len(a["runs"]) != len(b["runs"]):
         return f"the scripts made {len(a['runs'])} and {len(b['runs'])} Session.run calls"
     for i, (x, y) in enumerate(zip(a["runs"], b["runs"])):
-        lx, ly = _leaves(x, []), _leaves(y, [])
+        lx, ly = deferred.flatten_fetches(x), deferred.flatten_fetches(y)
         if len(lx) != len(ly) or not all(same(p, q) for p, q in zip(lx, ly)):
-            return (f"the values of Session.run call {i + 1} (at {a['sites'][i]}) differ")
+            return f"the values of Session.run call {i + 1} (at {a['sites'][i]}) differ"
     if len(a["closes"]) != len(b["closes"]):
         return f"{len(a['closes'])} and {len(b['closes'])} sessions closed"
     for i, (x, y) in enumerate(zip(a["closes"], b["closes"])):
