@@ -159,6 +159,8 @@ class _Engine:
     # -- entry points ------------------------------------------------------------------
 
     def bypassing(self):
+        """Whether a run now goes straight to the session: the engine's own runs, another
+        thread's, or after close."""
         return (getattr(self.local, "depth", 0) > 0 or threading.get_ident() != self.owner
                 or self.closed)
 
@@ -560,8 +562,7 @@ class DeferredSession(session_lib.SessionInterface):
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         """As ``Session.run``; a step run is deferred and returns lazy values."""
         engine = self._engine
-        if (self._wrapped is engine.session and threading.get_ident() == engine.owner
-                and not engine.closed and not getattr(engine.local, "depth", 0)):
+        if self._wrapped is engine.session and not engine.bypassing():
             return engine.run(fetches, feed_dict, options, run_metadata)  # (_run's path)
         return self._wrapped.run(fetches, feed_dict=feed_dict, options=options,
                                  run_metadata=run_metadata)
@@ -729,12 +730,11 @@ def _engine_of(session):
 
 def _run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     engine = _engine_of(self)
-    if engine is None or engine.closed or getattr(engine.local, "depth", 0):
+    if engine is None or not engine.bypassing():
+        return (_ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
+                if engine is None else engine.run(fetches, feed_dict, options, run_metadata))
+    with engine.lock:  # another thread's run: never in the middle of a step program
         return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
-    if threading.get_ident() != engine.owner:
-        with engine.lock:  # another thread's run: never in the middle of a step program
-            return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
-    return engine.run(fetches, feed_dict, options, run_metadata)
 
 
 def _barrier_callable(session, call):
