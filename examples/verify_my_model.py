@@ -41,7 +41,7 @@ def build(steps):
                          global_step=V1.train.get_or_create_global_step())
 
     def feed(run):
-        batches = slice(run * steps % 64, run * steps % 64 + steps)
+        batches = np.arange(run * steps, (run + 1) * steps) % 64  # (round the 64 again)
         return {xs: DATA_X[batches], ys: DATA_Y[batches]}
 
     return unrolled, feed

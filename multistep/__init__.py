@@ -32,7 +32,7 @@ _NAMES = {
 _MODULES = frozenset({"distribute", "hooks", "kernels", "keras", "rules", "sampling",
                       "summaries", "tf2"})
 __all__ = sorted(_NAMES)
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name):

@@ -238,3 +238,76 @@ def test_version_and_conflicting_options_answer_before_tensorflow_loads():
     assert conflict.returncode == 2 and "cannot run with --mode unrolled" in conflict.stderr
     outside = answer("bench", "--cpu", "4096")
     assert outside.returncode == 2 and "is not a core this process may use" in outside.stderr
+    # Issue 50: each bad invocation is answered before TensorFlow is imported (here its
+    # import fails): a missing file, a bad FILE:FN, a bad number.
+    for args, said in [
+            (("verify", "nosuch.py:build"), "no such file: nosuch.py"),
+            (("bench", "nosuch.py:build"), "no such file: nosuch.py"),
+            (("verify", "examples/verify_my_model.py:"), "expected FILE.py:FN or SCRIPT.py"),
+            (("verify", "examples/verify_my_model.py:no-such"), "expected FILE.py:FN"),
+            (("run", "--steps", "4", "nosuch.py"), "no such file: nosuch.py"),
+            (("verify", "examples/verify_my_model.py:build", "--steps", "0"),
+             "expected an integer > 0, got '0'"),
+            (("blobs", "--lr", "x"), "invalid float value: 'x'"),
+            (("bench", "--repeats", "-1"), "expected an integer > 0, got '-1'")]:
+        bad = answer(*args)
+        assert bad.returncode == 2 and said in bad.stderr, (args, bad.stderr[-2000:])
+        assert "Traceback" not in bad.stderr, (args, bad.stderr[-2000:])
+
+
+def test_blobs_prints_its_speed_against_single_steps(tmp_path):
+    """Issue 50: beside the equality table, a step of the fused run against N single
+    steps (sess.run with a feed dict, make_callable), measured in the process. The line
+    is there and its figures positive; their values are the benchmarks' business."""
+    result = multistep("blobs", "--steps", "2", "--runs", "2", "--mode", "while_loop",
+                       "--logdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    line = re.search(r"^speed, µs a step \(median of (\d+) paired rounds, this process\): the "
+                     r"2-step run ([\d.]+); 2 single steps by sess.run with a feed dict ([\d.]+) "
+                     r"\(([\d.]+)x slower\), by make_callable ([\d.]+) \(([\d.]+)x\)$",
+                     result.stdout, re.MULTILINE)
+    assert line, result.stdout
+    assert all(float(figure) > 0 for figure in line.groups())
+    assert "made of: the per-call cost fusing removes" in result.stdout
+
+
+COMPILED_BUILD = '''
+import numpy as np, tensorflow as tf, multistep as ms
+V1 = tf.compat.v1
+
+def build(steps):
+    x = V1.placeholder(tf.float32, [4, 2], name="x")
+    w = V1.get_variable("w", initializer=np.ones([2, 1], np.float32))
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+    train = V1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    program = ms.compile({"loss": loss, "train": train}, steps)
+    data = np.random.RandomState(0).randn(64, 4, 2).astype(np.float32)
+    return program, lambda run: {x: data[np.arange(run * steps, (run + 1) * steps) % 64]}
+'''
+
+
+def test_bench_times_the_users_own_step(tmp_path):
+    """Issue 50: multistep bench FILE.py:FN times the build_fn's single steps against
+    each mode the step allows (an ms.compile program: as built), a progress line a
+    round also when piped, the table and the verdict. Figures positive; their values
+    are the benchmarks' business."""
+    result = multistep("bench", "examples/verify_my_model.py:build", "--steps", "2",
+                       "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert re.search(r"^round 2/2: µs a step: single steps [\d.]+, unrolled", out, re.MULTILINE)
+    rows = dict(re.findall(r"^(single steps|unrolled|while_loop|while_loop\+xla) +[\d.]+ +([\d.]+)x$",
+                           out, re.MULTILINE))
+    assert sorted(rows) == ["single steps", "unrolled", "while_loop", "while_loop+xla"], out
+    assert float(rows["single steps"]) == 1.0 and all(float(g) > 0 for g in rows.values())
+    verdict = re.search(r"^fusing this step gains ([\d.]+)x \((unrolled|while_loop); the call is "
+                        r"(\d+) % of a step\); under XLA ([\d.]+)x", out, re.MULTILINE)
+    assert verdict, out
+    assert float(verdict.group(1)) == float(rows[verdict.group(2)])
+    path = tmp_path / "compiled.py"
+    path.write_text(COMPILED_BUILD)
+    result = multistep("bench", f"{path}:build", "--steps", "3", "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^while_loop +[\d.]+ +[\d.]+x$", result.stdout, re.MULTILINE), result.stdout
+    assert "not timed: unrolled (an ms.compile program is timed as built)" in result.stdout
+    assert "fusing this step gains" in result.stdout

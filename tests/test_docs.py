@@ -158,3 +158,14 @@ def test_site_builds_in_strict_mode(tmp_path):
     with open(tmp_path / "site" / "api" / "compile" / "index.html", encoding="utf-8") as f:
         html = f.read()
     assert "fetches" in html and "feed_dict" in html  # ms.compile's docstring, rendered
+    # Issue 50: the version on every page, from its one source, and the changelog there,
+    # its newest release the version.
+    import multistep
+
+    with open(tmp_path / "site" / "changelog" / "index.html", encoding="utf-8") as f:
+        changelog = f.read()
+    assert f"multistep {multistep.__version__}" in changelog
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        releases = re.findall(r"^## \[([\d.]+)\] - \d{4}-\d\d-\d\d$", f.read(), re.M)
+    assert releases[0] == multistep.__version__, releases
+    assert "Keep a Changelog" in changelog and f"{releases[-1]}" in changelog

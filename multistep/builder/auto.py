@@ -1,21 +1,26 @@
-"""``mode="auto"``: the mode whose program runs fastest, by measurement.
+"""``mode="auto"``: the mode whose program runs fastest, by measurement, among modes
+that give the same bits.
 
-``ms.unroll`` builds the step once (``loss_fn`` is called once) and descends its forward
-pass twice: as the plain step (what ``"unrolled"`` and ``"while_loop"`` compile) and as
-a step of an XLA loop (``Step.build_compiled``). ``choose`` then builds each candidate's
+``ms.unroll`` builds the step once (``loss_fn`` is called once); its candidates are
+loop mode (the default) and unrolled steps, which train to the same bits (XLA only
+when the user asks for it: another rounding). ``choose`` then builds each candidate's
 program in a scratch copy of the graph, runs them in scratch sessions (the user's
-session and graph see none of it), warms each up (XLA compiles there), and times them
+session and graph see none of it), warms each up, and times them
 in interleaved rounds (the order rotated each round, so that a change of load on a
-shared machine falls on every candidate alike), bounded in time. The fastest by the
-median of its rounds is built in the user's graph; ``Unrolled.why`` gives the figures.
+shared machine falls on every candidate alike), bounded in time. The default is built
+in the user's graph unless another is ``MARGIN`` times faster, paired round by round,
+so that noise cannot flip the choice from build to build; the same program built again
+in the process (``ms.verify`` builds it twice) gets the choice made for it the first
+time. ``Unrolled.why`` gives the figures.
 
-What is not timed, and why, is said there too: a candidate that cannot be built (an op
-without an XLA kernel, ref variables, ...), unrolled mode past ``MOST_UNROLLED_STEPS``
-(its build time grows with N). No trial at all, ``"unrolled"`` as before: over a
+What is not timed, and why, is said there too: a candidate that cannot be built or run,
+unrolled mode past ``MOST_UNROLLED_STEPS`` (its build time grows with N) or over stateful
+random ops (each copy would restart the stream: other bits). No trial at all, ``"unrolled"`` as before: over a
 ``tf.data`` iterator (a run would consume it) or in a ``tf.distribute`` replica context.
 """
 
 import dataclasses
+import hashlib
 import io
 import statistics
 import sys
@@ -33,6 +38,10 @@ TRIAL_SECONDS = 2.0  # the timed rounds (after the builds and one warm-up run ea
 LEAST_ROUNDS, MOST_ROUNDS = 5, 15
 BLOCK_SECONDS = 0.01  # one candidate's turn in a round: as many runs as fill it
 MOST_UNROLLED_STEPS = 64  # past it unrolled mode is not a candidate (N copies to build)
+_CHOSEN = {}  # (the program's graph, the candidates, N, the name) -> (mode, why)
+MARGIN = 1.25  # another mode than the default (the first candidate) is chosen only if
+# it is this many times faster: a shared core's noise (round to round within 10 %) cannot
+# flip the choice from build to build.
 
 
 
@@ -42,9 +51,7 @@ def untimed(feed, *, in_replica_context):
         return ("in a tf.distribute replica context: each step's apply all-reduces through a "
                 "merge_call, which cannot run inside a compiled program or a loop body")
     if feed.iterator is not None:
-        return ("the inputs come from a tf.data iterator: XLA does not compile "
-                "IteratorGetNext (batch N steps at once to compile), and a timed run would "
-                "consume the iterator")
+        return "the inputs come from a tf.data iterator, which a timed run would consume"
     return None
 
 
@@ -61,6 +68,11 @@ def choose(graph, candidates, build, label, steps, *, refused=None, seconds=TRIA
         out = sys.stderr if sys.stderr.isatty() else io.StringIO()
     refused = dict(refused or {})
     meta = tf.compat.v1.train.export_meta_graph(graph=graph)
+    key = (hashlib.sha256(meta.graph_def.SerializeToString(deterministic=True)).hexdigest(),
+           tuple(candidates), tuple(sorted(refused.items())), steps, label)
+    if key in _CHOSEN:  # the same program built again in this process: the same choice
+        best, why = _CHOSEN[key]
+        return best, f"as chosen for the same program earlier in this process ({why})"
     runs, sessions = {}, []
     started = time.perf_counter()
     try:
@@ -88,12 +100,12 @@ def choose(graph, candidates, build, label, steps, *, refused=None, seconds=TRIA
             call = session.make_callable(fetch, feed_list=list(feeds))
             args = list(feeds.values())
             try:
-                call(*args)  # (XLA compiles here)
+                call(*args)
                 once = time.perf_counter()
                 call(*args)
                 once = time.perf_counter() - once
             except tf.errors.OpError as error:
-                refused[name] = f"its first runs failed: {error.message.splitlines()[0]}"
+                refused[name] = f"its first runs failed: {_first_line(error)}"
                 continue
             runs[name] = _Run(call, args, lambda s=session, i=init: s.run(i),
                               max(1, int(BLOCK_SECONDS / max(once, 1e-6))))
@@ -108,13 +120,29 @@ def choose(graph, candidates, build, label, steps, *, refused=None, seconds=TRIA
     notes = "".join(f"; not timed: {name} ({why})" for name, why in refused.items())
     if not medians:
         return "unrolled", f"no candidate could be timed{notes}"
-    best = min(medians, key=medians.get)
+    best, margin = _with_margin([name for name in candidates if name in times], times)
     rounds = len(next(iter(times.values())))
     figures = ", ".join(f"{name} {medians[name]:.1f}"
                         for name in sorted(medians, key=medians.get))
-    return best, (f"timed in scratch sessions ({built:.1f} s to build and warm up, then "
-                  f"{rounds} interleaved rounds), median µs a run of {steps} steps: "
-                  f"{figures}; chose {best}{notes}")
+    _CHOSEN[key] = best, (f"timed in scratch sessions ({built:.1f} s to build and warm up, "
+                          f"then {rounds} interleaved rounds), median µs a run of {steps} "
+                          f"steps: {figures}; chose {best}{margin}{notes}")
+    return _CHOSEN[key]
+
+
+def _with_margin(names, times):
+    """The first of ``names`` (the default), unless another is faster by ``MARGIN`` in
+    the median of its per-round ratios to it (paired: one round, one load); and the text
+    that says so. Noise within the margin cannot change the choice."""
+    first = names[0]
+    ratios = {name: statistics.median(a / b for a, b in zip(times[first], times[name]))
+              for name in names[1:]}
+    faster = [name for name in ratios if ratios[name] >= MARGIN]
+    if not faster:
+        return first, (f" (the default: no other mode {MARGIN:g}x faster in paired rounds)"
+                       if ratios else "")
+    best = max(faster, key=ratios.get)
+    return best, f" ({ratios[best]:.2f}x {first} in paired rounds; the margin is {MARGIN:g}x)"
 
 
 @dataclasses.dataclass
@@ -149,7 +177,7 @@ def _rounds(runs, seconds, label, out, refused):
                     break
                 except tf.errors.OpError as error:
                     if run.block == 1:
-                        refused[name] = f"its runs failed: {error.message.splitlines()[0]}"
+                        refused[name] = f"its runs failed: {_first_line(error)}"
                         break
                     run.block = max(1, run.block // 4)
         for name in refused:
@@ -161,6 +189,15 @@ def _rounds(runs, seconds, label, out, refused):
                   + " " * 8)
         out.flush()
     return times
+
+
+def _first_line(error):
+    """The first line of an OpError's message that says what failed (TensorFlow opens
+    graph-mode messages with "Graph execution error:", and ends lines with the node)."""
+    said = [line.strip() for line in error.message.splitlines()
+            if line.strip() and line.strip() != "Graph execution error:"
+            and not line.strip().startswith(("[[", "Detected at node"))]
+    return said[0] if said else type(error).__name__
 
 
 def _zero_feeds(fetch):

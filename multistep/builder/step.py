@@ -60,7 +60,6 @@ class Step:
     halt: object = None  # then {"in"/"out": (halted,) in a loop, else (ok, halted); "looped"}
     xla: bool = False  # built to run in an XLA program (_apply_where, a halt state)
     looped: bool = False  # built as a loop's body (mode="while_loop")
-    forward: tuple = None  # after build: (loss, summaries, update ops): build_compiled's
     written: dict = dataclasses.field(default_factory=dict)  # variable op -> name, of every write
     gradient_options: dict = dataclasses.field(default_factory=dict)  # for compute_gradients
     before_apply: list = None  # the loss, outputs and gradients
@@ -110,35 +109,7 @@ class Step:
         exempt = initializers | (set(collected) if self.update_ops is False else set())
         exempt |= _other_replicas_ops(ops, scope)
         lint.check_dangling(ops, end, exempt=exempt, name=self.label, step=1)
-        self.forward = (loss, extra, run_first)
         return outputs, end
-
-    def build_compiled(self):
-        """After ``build``: its forward pass descended again as a step of an XLA loop
-        (``xla``, ``looped``: ``_apply_where``, the halt state), for ``mode="auto"`` to
-        time beside the plain step without calling ``loss_fn`` again. Returns (outputs,
-        end, halt) as ``build``'s and ``halt``'s; the descent ``ms.unroll`` does not
-        choose stays in the graph, never run. Raises what the descent raises (ref
-        variables: ``check_capturable``)."""
-        loss, extra, run_first = self.forward
-        graph = tf.compat.v1.get_default_graph()
-        first_op, created = len(graph.get_operations()), len(self.guard.created)
-        saved = self.xla, self.looped, self.halts, self.before_apply, self.apply_scope
-        self.xla = self.looped = True
-        self.halts = self.nonfinite == "raise"
-        try:
-            with tf.control_dependencies(run_first):
-                outputs, end = self._descend(loss, extra)
-            halt = self.halt
-        finally:
-            self.xla, self.looped, self.halts, self.before_apply, self.apply_scope = saved
-            self.halt = None
-        ops = graph.get_operations()[first_op:]
-        _refuse_gradients_reading_updates(ops, run_first, self.label)
-        self.written.update(graph_lib.written_variables(ops))
-        lint.check_dangling(ops, end, exempt=_initializers(self.guard.created[created:]),
-                            name=self.label, step=1)
-        return outputs, end, halt
 
     def _carrying(self, args, carry):
         """``loss_fn(*args, carry) -> (loss, next carry)``; returns the loss and keeps the

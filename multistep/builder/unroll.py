@@ -237,13 +237,15 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         ``tf.while_loop`` body run N times (graph size independent of N; one kernel of a
         stateful random op draws the single steps' stream; ref variables need v1
         control flow).
-        ``"auto"`` (``xla`` is then ignored): the fastest of ``"unrolled"`` (N up
-        to 64), ``"while_loop"`` and ``"while_loop"`` under XLA, by measurement at build
-        time: each is built in a scratch copy of the graph and run in a scratch session,
-        in interleaved rounds (about 1 to 10 s, most of it XLA compiling; ``loss_fn`` is
-        called once). ``Unrolled.mode`` says which; ``Unrolled.why`` gives the figures and
-        why a mode was not timed (an op without an XLA kernel, ref variables, ...). Over
-        a ``tf.data`` iterator or in a replica context nothing is timed: ``"unrolled"``.
+        ``"auto"``: the same program on every build, measured among modes that give the
+        same bits: ``"while_loop"`` (the default) unless ``"unrolled"`` (N up to 64, no
+        stateful random op) runs 1.25× faster or more, each built in a scratch copy of
+        the graph and timed in a scratch session, in interleaved rounds paired round by
+        round (about 1 to 3 s; ``loss_fn`` is called once). With ``xla=True``: XLA's
+        loop, untimed (XLA is a change of rounding the user asks for, never chosen for
+        them). ``Unrolled.mode`` says which; ``Unrolled.why`` gives the figures and why a
+        mode was not timed. Over a ``tf.data`` iterator or in a replica context nothing
+        is timed: ``"unrolled"``.
       xla: compile all N steps into one XLA program (``tf.function(jit_compile=True)``
         called from the graph; the single step is built in an XLA context). Bitwise
         equal to N runs of the single-step XLA program (``steps=1, xla=True``;
@@ -331,6 +333,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
         raise TypeError(f"xla must be True or False, got {xla!r}.")
     if _FORCED_XLA:  # ms.verify(..., xla=True): before the checks that read xla
         xla = _FORCED_XLA[-1]
+    if _FORCED_MODE:  # multistep bench FILE.py:FN, each mode in turn
+        mode = _FORCED_MODE[-1]
     phased = phases_lib.parse(loss_fn, optimizer, var_list, phases)
     for one in ([(loss_fn, optimizer)] if phased is None
                 else [(p.loss_fn, p.optimizer) for p in phased[0]]):
@@ -398,14 +402,17 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             step.skipped = tf.compat.v1.Variable(
                 0, dtype=tf.int64, trainable=False, use_resource=True, name="skipped_steps",
                 collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-        feed = Inputs(inputs, steps, xla=xla and mode != "auto")
+        feed = Inputs(inputs, steps, xla=xla)
         why, timed = None, False
         if mode == "auto" and _FORCED_XLA:  # ms.verify(..., xla=True): compiled, in a loop
             mode = "while_loop"
+        elif mode == "auto" and xla:  # XLA asked for: its loop (unrolled XLA steps are
+            mode = "while_loop"         # not bitwise those of the step compiled alone)
+            why = "xla=True: the XLA loop, bitwise N runs of the step compiled alone"
         elif mode == "auto":
             why = auto.untimed(feed, in_replica_context=step_lib.in_replica_context())
-            timed = why is None  # the plain step and an XLA loop's, each mode's program timed
-            mode, xla = "while_loop" if timed else "unrolled", False
+            timed = why is None  # the plain step's two modes, timed
+            mode = "while_loop" if timed else "unrolled"
         run_length = (make_run_length(steps, count_done=feed.iterator is not None)
                       if mode == "while_loop" else None)
         feed.check_lengths(steps, run_length.read if run_length is not None else None)
@@ -425,17 +432,6 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
             outputs, end = step.build(args, carry_in)
             halt = step.halt  # (XLA, nonfinite="raise": the halt state; else None)
             forms = {"plain": (outputs, end, halt)}
-            refused = {}
-            if timed and after_apply is not None:  # (it would be called a second time)
-                refused["while_loop+xla"] = "after_apply: auto builds one descent with it"
-            elif timed and step.summarized:
-                refused["while_loop+xla"] = "loss_fn builds tf.summary ops (string ops)"
-            elif timed:
-                try:
-                    with _xla_context(True):
-                        forms["xla"] = step.build_compiled()
-                except (TypeError, ValueError) as error:  # (ref variables)
-                    refused["while_loop+xla"] = str(error).split("\n")[0]
         step_seconds = time.perf_counter() - started
         watched = {**graph_lib.watched_variables(step.state()), **step.written}
         carry_links = {} if carry_in is None else {
@@ -481,9 +477,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                       if not re.sub(r"^replica_\d+/", "", op.name).startswith(base)}
         if timed:
             trial = time.perf_counter()
-            mode, xla, why = _timed(step, graph, forms, refused, steps, label, program)
+            mode, why = _timed(step, graph, forms["plain"], steps, label, program)
             started += time.perf_counter() - trial  # (the slow-build warning: not the trial)
-            outputs, end, halt = forms["xla" if xla else "plain"]
             run_length = run_length if mode == "while_loop" else None
         if steps > 1:
             lint.check_built_outside(end, before, watched, name=label, loop=mode == "while_loop")
@@ -522,36 +517,34 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")))
 
 
-def _timed(step, graph, forms, refused, steps, label, program):
-    """``mode="auto"``: (mode, xla, why) of the fastest program of the step's ``forms``
-    (``auto.choose``): unrolled (up to ``auto.MOST_UNROLLED_STEPS``), loop mode, and loop
-    mode under XLA where the step's XLA form was built."""
-    candidates = ["while_loop+xla"] if "xla" in forms else []
-    candidates.append("while_loop")
-    if steps <= auto.MOST_UNROLLED_STEPS:
-        candidates.append("unrolled")
-    else:
+def _timed(step, graph, form, steps, label, program):
+    """``mode="auto"`` without XLA: (mode, why) of the faster of the plain step's two
+    programs (``auto.choose``), loop mode and unrolled steps, which give the same bits.
+    Unrolled is not a candidate past ``auto.MOST_UNROLLED_STEPS`` or over stateful random
+    ops (each copy would restart the stream: other bits)."""
+    refused = {}
+    random_ops = graph_lib.stateful_random_ops(graph_lib.ancestors_postorder(form[1]))
+    if steps > auto.MOST_UNROLLED_STEPS:
         refused["unrolled"] = f"N > {auto.MOST_UNROLLED_STEPS}: N copies to build"
+    elif random_ops:
+        refused["unrolled"] = (f"stateful random ops ({graph_lib.named_few(random_ops)}): "
+                               f"each copy would restart the stream")
+    if refused:  # one candidate: nothing to time
+        return "while_loop", "".join(f"not timed: {name} ({why})"
+                                     for name, why in refused.items())
     created = len(step.guard.created)
 
     def build(name, find):
-        mode, xla = _mode_of(name)
-        if mode == "while_loop" and steps > 1:
-            step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=xla)
+        if name == "while_loop" and steps > 1:
+            step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=False)
         with tf.compat.v1.name_scope(label + "/"):
-            keys, compiled = program(mode, xla, forms["xla" if xla else "plain"], find)
+            keys, compiled = program(name, False, form, find)
         return compiled.values[keys.index("loss")]
 
     try:
-        chosen, why = auto.choose(graph, candidates, build, label, steps, refused=refused)
+        return auto.choose(graph, ["while_loop", "unrolled"], build, label, steps)
     finally:
         del step.guard.created[created:]  # (the trials' variables, in their own graphs)
-    return (*_mode_of(chosen), why)
-
-
-def _mode_of(name):
-    """``Unrolled.mode``'s name (``"while_loop+xla"``) as (mode, xla)."""
-    return name.split("+")[0], name.endswith("+xla")
 
 
 def _compiled(replicated, roots, steps, label, mode, *, given, strip, **options):
@@ -653,6 +646,20 @@ def forced_xla(xla):
         yield
     finally:
         _FORCED_XLA.pop()
+
+
+_FORCED_MODE = []  # forced_mode's stack: the last value overrides every ms.unroll's mode=
+
+
+@contextlib.contextmanager
+def forced_mode(mode):
+    """Within it, every ``ms.unroll`` builds with ``mode=mode`` whatever it is given:
+    how ``multistep bench FILE.py:FN`` times a user's ``build_fn`` in each mode."""
+    _FORCED_MODE.append(mode)
+    try:
+        yield
+    finally:
+        _FORCED_MODE.pop()
 
 
 def _warn_slow_build(step_seconds, seconds, steps, label):

@@ -3,6 +3,10 @@
 Used by ``multistep blobs``, the examples and the benchmarks.
 """
 
+import dataclasses
+import functools
+import statistics
+
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import make_blobs
@@ -11,7 +15,8 @@ from multistep.builder import rules
 from multistep.choices import OPTIMIZERS
 from multistep.builder.unroll import unroll
 
-__all__ = ["OPTIMIZERS", "build", "data", "logical_cpus", "make_optimizer", "predict"]
+__all__ = ["OPTIMIZERS", "Speed", "build", "data", "logical_cpus", "make_optimizer", "predict",
+           "seed_step", "speed"]
 
 
 def make_optimizer(name, learning_rate):
@@ -35,6 +40,24 @@ def logical_cpus(n):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
 
 
+def _optimizer(optimizer, lr, modulus):
+    if optimizer == "compact-sgd":
+        return rules.RuleOptimizer(rules.compact_sgd(modulus), learning_rate=lr)
+    return make_optimizer(optimizer, lr)
+
+
+def _layer():
+    kernel = tf.compat.v1.get_variable(
+        "dense/kernel", [2, 2], initializer=tf.compat.v1.ones_initializer())
+    bias = tf.compat.v1.get_variable("dense/bias", [2], initializer=tf.compat.v1.zeros_initializer())
+    return kernel, bias
+
+
+def _loss(x, y, kernel, bias):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(x, kernel) + bias))
+
+
 def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulus=None,
           mode="unrolled", replicas=1):
     """``build_fn`` for ``ms.verify``: the blobs classifier with ``steps`` inner steps.
@@ -50,21 +73,12 @@ def build(steps, *, optimizer="sgd", lr=0.01, seed=0, grad_transforms=(), modulu
     (summed over the replicas) the full batch's loss.
     """
     x, y = data(seed)
-    if optimizer == "compact-sgd":
-        opt = rules.RuleOptimizer(rules.compact_sgd(modulus), learning_rate=lr)
-    else:
-        opt = make_optimizer(optimizer, lr)
+    opt = _optimizer(optimizer, lr, modulus)
     if replicas > 1:
         return _build_replicated(steps, x, y, opt, replicas, grad_transforms, mode), {}
 
     def loss_fn():
-        kernel = tf.compat.v1.get_variable(
-            "dense/kernel", [2, 2], initializer=tf.compat.v1.ones_initializer())
-        bias = tf.compat.v1.get_variable(
-            "dense/bias", [2], initializer=tf.compat.v1.zeros_initializer())
-        logits = tf.matmul(x, kernel) + bias
-        return tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return _loss(x, y, *_layer())
 
     global_step = tf.compat.v1.train.get_or_create_global_step()
     return unroll(loss_fn, opt, steps, global_step=global_step, grad_transforms=grad_transforms,
@@ -98,3 +112,79 @@ def _build_replicated(steps, x, y, opt, replicas, grad_transforms, mode):
 def predict(values, x):
     """Class predictions of the trained layer, from the variable values ``ms.verify`` reports."""
     return np.argmax(x @ values["dense/kernel"] + values["dense/bias"], axis=1)
+
+
+def seed_step(*, optimizer="sgd", lr=0.01, grad_transforms=(), modulus=None):
+    """The single step as a TF1 program is written before multistep: the points fed
+    through placeholders, ``compute_gradients``, the transforms, ``apply_gradients``.
+    Returns (fetches ``[loss, train_op]``, the x and y placeholders)."""
+    from multistep.builder import transforms
+
+    x = tf.compat.v1.placeholder(tf.float32, [None, 2], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    loss = _loss(x, y, *_layer())
+    global_step = tf.compat.v1.train.get_or_create_global_step()
+    opt = _optimizer(optimizer, lr, modulus)
+    grads_and_vars = opt.compute_gradients(loss)
+    for transform in grad_transforms:
+        grads_and_vars = transforms.apply_transform(transform, grads_and_vars,
+                                                    global_step.read_value())
+    return [loss, opt.apply_gradients(grads_and_vars, global_step=global_step)], x, y
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """``speed``'s figures: µs a step of the fused run, of N ``sess.run`` calls with a
+    feed dict and of N ``make_callable`` calls; the medians of the paired ratios."""
+    fused_us: float
+    sess_run_us: float
+    callable_us: float
+    over_sess_run: float
+    over_callable: float
+    rounds: int
+
+
+def speed(build_fn, steps, *, seed=0, rounds=7, block_seconds=0.02, **options):
+    """Times a step of ``build_fn(steps)``'s run against ``steps`` single steps of
+    ``seed_step(**options)`` run as a seed program runs them: ``sess.run([loss,
+    train_op], feed_dict)`` and ``make_callable``. Each program in its own graph and
+    session; ``rounds`` interleaved rounds (the order rotated), each program's turn as
+    many runs as fill ``block_seconds``; the ratios paired round by round. A ``Speed``."""
+    from multistep.tools import bench_step
+
+    x_data, y_data = data(seed)
+    calls, sessions = [], []
+    try:
+        with tf.Graph().as_default() as graph:
+            fused = build_fn(steps)[0]
+            init = tf.compat.v1.global_variables_initializer()
+        sessions.append(tf.compat.v1.Session(graph=graph))
+        sessions[-1].run(init)
+        calls.append(lambda s=sessions[-1]: fused.run(s))
+        with tf.Graph().as_default() as graph:
+            fetches, x, y = seed_step(**options)
+            init = tf.compat.v1.global_variables_initializer()
+        for kind in ("sess.run", "make_callable"):
+            session = tf.compat.v1.Session(graph=graph)
+            sessions.append(session)
+            session.run(init)
+            if kind == "sess.run":
+                def one(s=session):
+                    s.run(fetches, feed_dict={x: x_data, y: y_data})
+            else:
+                one = session.make_callable(fetches, feed_list=[x, y])
+                one = functools.partial(one, x_data, y_data)
+
+            def run_steps(one=one):
+                for _ in range(steps):
+                    one()
+            calls.append(run_steps)
+        times = bench_step.paired_rounds(calls, rounds, block_seconds)
+    finally:
+        for session in sessions:
+            session.close()
+    per_step = [[t / steps * 1e6 for t in runs] for runs in times]
+    medians = [statistics.median(t) for t in per_step]
+    ratios = [statistics.median(b / a for a, b in zip(per_step[0], per_step[i]))
+              for i in (1, 2)]
+    return Speed(*medians, *ratios, rounds)

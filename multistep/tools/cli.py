@@ -26,7 +26,7 @@ def main(argv=None):
     if args.command == "blobs" and args.steps == "auto" and args.mode == "unrolled":
         parser.error("blobs: --steps auto tunes a loop's run length (mode while_loop); it "
                      "cannot run with --mode unrolled")
-    if args.command == "bench" and args.script is None:
+    if args.command == "bench" and not (args.script and _is_script(args.script)):
         allowed = sorted(os.sched_getaffinity(0))
         if args.cpu is None:
             args.cpu = allowed[0]  # (a core taskset allowed, not core 0 whatever it allowed)
@@ -117,9 +117,9 @@ def _parser():
                        help="with --steps auto: the most steps a run may make (default 64)")
     blobs.add_argument("--runs", type=_positive, default=12, help="N-step runs (default 12)")
     blobs.add_argument("--mode", choices=MODES, default="auto",
-                       help="auto (default: while_loop under XLA where the step compiles, else "
-                            "unrolled), unrolled (N copies of the step) or while_loop (one loop "
-                            "body, for large N)")
+                       help="auto (default: while_loop, or unrolled where it is 1.25x "
+                            "faster, measured), unrolled (N copies of the step) or while_loop "
+                            "(one loop body, for large N)")
     blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
@@ -197,10 +197,13 @@ def _parser():
 
     bench = sub.add_parser(
         "bench", help="per-step time of the modes against N x sess.run and other baselines; "
-                      "or SCRIPT.py as written against multistep run")
-    bench.add_argument("script", metavar="SCRIPT.py", nargs="?", type=_script,
-                       help="time this training script as written against multistep run "
-                            "(interleaved rounds, paired); its arguments after --")
+                      "or your own step (FILE.py:FN) against single steps; or SCRIPT.py as "
+                      "written against multistep run")
+    bench.add_argument("script", metavar="FILE.py:FN | SCRIPT.py", nargs="?", type=_target,
+                       help="a build_fn(steps) -> (program, feed), as verify takes: its single "
+                            "steps against each mode (paired rounds), N the first --steps "
+                            "(default 10); or a training script as written against multistep "
+                            "run (its arguments after --)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: blobs, N in {1, 10}, few repeats")
     bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS),
@@ -231,10 +234,16 @@ def _script(text):
     return text
 
 
+def _is_script(target):
+    """A bare SCRIPT.py (not FILE.py:FN)."""
+    return ":" not in target or os.path.isfile(target)
+
+
 def _target(text):
-    """``FILE.py:FN`` or ``SCRIPT.py``, the file existing."""
-    path = text.rpartition(":")[0] if ":" in text and not os.path.isfile(text) else text
-    if not path:
+    """``FILE.py:FN`` or ``SCRIPT.py``, the file existing and FN a name."""
+    path, name = (text.rpartition(":")[::2] if ":" in text and not os.path.isfile(text)
+                  else (text, None))
+    if not path or name is not None and not name.isidentifier():
         raise argparse.ArgumentTypeError(f"expected FILE.py:FN or SCRIPT.py, got {text!r}")
     return _script(path) and text
 
@@ -308,11 +317,12 @@ def _blobs(args):
         n = _auto_steps(build, args.target_seconds, args.max_steps)
     else:
         n = args.steps
-    mode = args.mode
+    mode = built = args.mode
     if mode == "auto":  # what it chooses for this model, and why
         with tf.Graph().as_default():
             chosen = build(n)[0]
         mode = f"auto: {chosen.mode}" + (f" ({chosen.why})" if chosen.why else "")
+        built = chosen.mode
     print(f"make_blobs(n_samples=50, centers=2, n_features=2, random_state={args.seed}); "
           f"dense 2->2 from ones; {optimizer}; mode={mode}"
           + "".join(f"; {t.__name__}" for t in transforms))
@@ -334,8 +344,9 @@ def _blobs(args):
     x, y = blobs.data(args.seed)
     correct = int((blobs.predict(report.final_values, x) == y).sum())
     print(f"accuracy after {args.runs * n} steps: {correct / len(y):.3f} ({correct}/{len(y)})")
+    _blobs_speed(args, functools.partial(build, mode=built), n, transforms)
     runs = {f"fused_{n}": (n, report.fused_losses), "single": (1, report.single_losses)}
-    # An XLA program is one node in TensorBoard's graph: under auto the graph written is the
+    # A loop body is one block in TensorBoard's graph: under auto the graph written is the
     # same steps built unrolled, N readable blocks (said below).
     drawn = functools.partial(build, mode="unrolled") if args.mode == "auto" else build
     for run, (steps, losses) in runs.items():
@@ -343,10 +354,30 @@ def _blobs(args):
         with graph.as_default():
             drawn(steps)
         summaries.write_run(os.path.join(args.logdir, run), graph, {"loss": losses})
-    shown = ", built unrolled: an XLA program is one node there," if args.mode == "auto" else ""
+    shown = ", built unrolled: N blocks to read," if args.mode == "auto" else ""
     print(f"TensorBoard runs {', '.join(runs)} (the {n}-step graph{shown} and a loss point per "
           f"step) written to {args.logdir}; view them with: tensorboard --logdir {args.logdir}")
     return 0 if report.ok else 1
+
+
+def _blobs_speed(args, build, n, transforms):
+    """The speed line: a step of the fused run against N single steps of the program as
+    written before multistep, measured here, paired."""
+    from multistep.tools import blobs
+
+    if args.replicas > 1:
+        print("speed: not timed with --replicas (the single-step program it would be timed "
+              "against runs on one device)")
+        return
+    s = blobs.speed(build, n, seed=args.seed, optimizer=args.rule or args.optimizer,
+                    lr=args.lr, grad_transforms=transforms, modulus=args.modulus)
+    print(f"speed, µs a step (median of {s.rounds} paired rounds, this process): the "
+          f"{n}-step run {s.fused_us:.1f}; {n} single steps by sess.run with a feed dict "
+          f"{s.sess_run_us:.1f} ({s.over_sess_run:.2f}x slower), by make_callable "
+          f"{s.callable_us:.1f} ({s.over_callable:.2f}x)")
+    print("  made of: the per-call cost fusing removes (Python, feed and fetch conversion: one "
+          "call a run, not one a step); TensorFlow's per-op cost stays in both (XLA compiles it "
+          "away: ms.unroll(xla=True)); on a step of milliseconds the ratio is about 1x")
 
 
 def _auto_steps(build, target_seconds, max_steps, runs=40):
@@ -459,7 +490,7 @@ def _verify_script(args):
 def _verify(args):
     import multistep as ms
 
-    if ":" not in args.target or os.path.isfile(args.target):
+    if _is_script(args.target):
         args.script = args.target
         return _verify_script(args)
     build_fn = _load_target(args.target)
@@ -511,11 +542,13 @@ def _bench_script(args):
 def _bench(args):
     from multistep.tools import bench
 
-    if args.script is not None:  # one N: the one given, else 10
+    if args.script is not None and _is_script(args.script):  # one N: the one given, else 10
         args.steps = args.steps[0] if len(args.steps) == 1 else 10
         return _bench_script(args)
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})  # before TensorFlow sizes its thread pools
+    if args.script is not None:
+        return _bench_step(args)
     problems, steps, methods, repeats = args.problems, args.steps, args.methods, args.repeats
     keras_steps, graph_steps = 4000, [1, 10, 100, 1000]
     if args.quick:
@@ -523,7 +556,10 @@ def _bench(args):
     pinned = f"pinned to core {args.cpu}" if args.cpu >= 0 else "not pinned"
     print(f"multistep bench: {', '.join(problems)}; N in {steps}; {repeats} repeats; {pinned}")
     graph_jobs = [(p, m, n) for p in problems for m in ("unrolled", "while_loop") for n in graph_steps]
-    progress = _progress_bar(len(problems) * len(steps) * len(methods) + len(graph_jobs), args.quiet)
+    total = len(problems) * len(steps) * len(methods) + len(graph_jobs)
+    progress = _progress_bar(total, args.quiet)
+    if progress is None and not args.quiet:  # piped: a line as each is measured
+        progress = lambda done, _total: _say(f"measured {done}/{total}")  # noqa: E731
     results = bench.run(problems, steps, methods, repeats=repeats, keras_steps=keras_steps,
                         progress=progress)
     costs = []
@@ -549,6 +585,36 @@ def _bench(args):
     written.append(png or "no plot: pip install matplotlib (the [plot] extra)")
     print("\nwritten: " + ", ".join(written))
     return 0
+
+
+def _bench_step(args):
+    """multistep bench FILE.py:FN: the user's step, single steps against each mode."""
+    from multistep.tools import bench_step
+
+    build_fn = _load_target(args.script)
+    if build_fn is None:
+        return 2
+    steps = args.steps[0] if args.steps != [1, 10, 100, 1000] else 10
+    rounds = 3 if args.quick else args.repeats
+    pinned = f"pinned to core {args.cpu}" if args.cpu >= 0 else "not pinned"
+    print(f"multistep bench {args.script}: N = {steps}, {rounds} paired rounds, {pinned}",
+          flush=True)
+    try:
+        times = bench_step.time_step(build_fn, steps, rounds=rounds,
+                                     progress=None if args.quiet else _say)
+    except Exception:  # the model could not be built or run
+        traceback.print_exc()
+        print(f"multistep bench: could not time {args.script}", file=sys.stderr)
+        return 2
+    print()
+    print(times.table())
+    print(times.verdict())
+    return 0
+
+
+def _say(text):
+    """A progress line, printed at once (also when piped)."""
+    print(text, flush=True)
 
 
 def _load_target(target):
