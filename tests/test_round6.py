@@ -232,3 +232,57 @@ def test_r6_12_a_failing_check_raises_step_failed_error_with_the_applied_steps(f
             fused.run(sess, **kwargs)
         assert info.value.values[0].tobytes() == np.array([first]).tobytes()
         assert sess.run(w).tobytes() == plain.run(pw).tobytes()
+
+
+def _sparse_step(graph):
+    """A step that fetches a SparseTensor whose entry count changes as it trains."""
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", initializer=np.array([[0.5], [-0.4], [0.3]], np.float32))
+        h = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.square(h - 1.0))
+        sparse = tf.sparse.from_dense(tf.cast(h > 0.2, tf.float32) * h)
+        train = v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+    return x, w, loss, sparse, train
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_r6_17_a_sparse_tensor_fetch_comes_per_step_with_the_step_as_its_first_dimension(mode):
+    # main: ValueError: Shape (None, 2) must have rank 1 (both modes), at build time
+    written, graph = tf.Graph(), tf.Graph()
+    x, w, loss, sparse, train = _sparse_step(written)
+    want = []
+    with v1.Session(graph=written) as sess:
+        sess.run(v1.global_variables_initializer())
+        for k in range(4):
+            want.append(sess.run([sparse, train], {x: BATCHES[k]})[0])
+    counts = [len(value.values) for value in want]
+    assert len(set(counts)) > 1, counts  # (the case: entry counts that differ by step)
+    x, w, loss, sparse, train = _sparse_step(graph)
+    with graph.as_default():
+        fused = ms.compile({"loss": loss, "sparse": sparse, "train": train}, steps=2, mode=mode)
+    with v1.Session(graph=graph) as sess:
+        sess.run(v1.global_variables_initializer())
+        got = [fused.run(sess, {x: BATCHES[2 * r:2 * r + 2]})["sparse"] for r in range(2)]
+    for r, value in enumerate(got):
+        assert value.dense_shape.tolist() == [2, 2, 1]
+        for k in range(2):
+            one = want[2 * r + k]
+            mine = value.indices[:, 0] == k
+            assert value.indices[mine, 1:].tolist() == one.indices.tolist()
+            assert value.values[mine].tobytes() == one.values.tobytes()
+    with graph.as_default(), pytest.raises(ValueError, match="xla=True cannot fetch a tf.Sparse"):
+        ms.compile({"loss": loss, "sparse": sparse, "train": train}, steps=2, xla=True)
+
+
+def test_r6_18_a_sync_replicas_step_is_refused_naming_the_accumulator():
+    # main: built; its first run waited for ever (no result within 300 s)
+    graph = tf.Graph()
+    with graph.as_default():
+        x, w, loss, _, _ = _step(graph)
+        sync = v1.train.SyncReplicasOptimizer(v1.train.GradientDescentOptimizer(0.1),
+                                              replicas_to_aggregate=1, total_num_replicas=1)
+        train = sync.minimize(loss, global_step=v1.train.get_or_create_global_step())
+        with pytest.raises(ValueError, match=r"ConditionalAccumulator .*SyncReplicasOptimizer"
+                                             r".*would wait on themselves"):
+            ms.compile([loss, train], steps=2)

@@ -376,6 +376,12 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
             raise ValueError(f"ms.compile: fetch {root.name!r} is not in the default graph.")
     if mode == "auto":
         mode = "while_loop"
+    _refuse_accumulated(roots)
+    if xla and any(isinstance(item, tf.SparseTensor) for item in tf.nest.flatten(fetches)):
+        raise ValueError(
+            "ms.compile: xla=True cannot fetch a tf.SparseTensor: its entry count differs "
+            "from step to step, and an XLA program's outputs have static shapes. Fetch it "
+            "as a dense tensor (tf.sparse.to_dense), or build without xla=True.")
     if xla and mode == "unrolled" and steps > 1:
         raise ValueError(
             "ms.compile: xla=True with mode='unrolled' is refused: in one XLA program XLA "
@@ -399,7 +405,7 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
         xla_lib.warn_random_under_xla(built.program, name=built.label)
     if tripwires:
         tripwires_lib.guard(built.copied, built.label)
-    structured = tf.nest.pack_sequence_as(fetches, built.values, expand_composites=True)
+    structured = _structured(fetches, built.values)
     loss = _loss(fetches, roots)
     return Compiled(
         train_op=built.train_op, values=structured,
@@ -424,15 +430,66 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
         _partial={id(built.values[j]): read for j, read in (built.partial or {}).items()})
 
 
+# A step that hands its gradients to an accumulator another run takes them from
+# (SyncReplicasOptimizer: the chief's queue runner aggregates and puts a token back).
+ACCUMULATING = ("AccumulatorApplyGradient", "ResourceAccumulatorApplyGradient",
+                "SparseAccumulatorApplyGradient")
+
+
+def _refuse_accumulated(roots):
+    """ValueError for a step whose gradients go to a ``ConditionalAccumulator`` that
+    another run aggregates (``SyncReplicasOptimizer``): the step waits for a token that
+    run puts back, so N steps in one run would wait on themselves (it hung)."""
+    found = [op for op in graph_lib.ancestors([getattr(r, "op", r) for r in roots])
+             if op.type in ACCUMULATING]
+    if found:
+        raise ValueError(
+            f"ms.compile: the step hands its gradients to a ConditionalAccumulator "
+            f"({graph_lib.named_few(repr(op.name) for op in found)}), as "
+            f"tf.compat.v1.train.SyncReplicasOptimizer "
+            f"does: another run (the chief's queue runner) aggregates them and puts back "
+            f"the token the next step waits for, so N steps in one run would wait on "
+            f"themselves. Run that step as written, or fuse a synchronous step that "
+            f"all-reduces within the run instead: ms.distribute under a "
+            f"MultiWorkerMirroredStrategy.")
+
+
+def _structured(fetches, values):
+    """``fetches``' structure over the per-step ``values`` (``build``'s, one a flat
+    component). A ``tf.SparseTensor`` fetch becomes one of rank + 1, its first dimension
+    the step (``tf.sparse.concat`` of each step's, expanded): its entry count differs
+    from step to step, so its indices and values come per step as ragged tensors."""
+    items, j = [], 0
+    for item in tf.nest.flatten(fetches):
+        size = len(tf.nest.flatten(item, expand_composites=True))
+        part = values[j:j + size]
+        if isinstance(item, tf.SparseTensor):
+            indices, entries, shapes = part
+            with tf.name_scope("sparse_values"):
+                step = tf.expand_dims(indices.value_rowids(), 1)
+                rank = item.indices.shape[1]
+                items.append(tf.SparseTensor(
+                    tf.concat([step, tf.reshape(indices.flat_values, [-1, rank])], 1),
+                    entries.flat_values,
+                    tf.concat([tf.shape(shapes, out_type=tf.int64)[:1],
+                               tf.reduce_max(shapes, axis=0)], 0)))
+        else:
+            items.append(tf.nest.pack_sequence_as(item, part, expand_composites=True))
+        j += size
+    return tf.nest.pack_sequence_as(fetches, items)
+
+
 def _dynamic(fetches, roots):
-    """The indices of the fetched tensors (not a composite's components) whose shape can
-    differ from step to step: some dimension unknown (a batch dimension over a
-    ``tf.data`` input whose last batch is short, a ``tf.where``'s), the rank known."""
+    """The indices of the fetched tensors whose shape can differ from step to step: some
+    dimension unknown (a batch dimension over a ``tf.data`` input whose last batch is
+    short, a ``tf.where``'s), the rank known; of composites, a ``tf.SparseTensor``'s
+    indices and values (its entry count), no other's components."""
     composite, j = set(), 0
     for item in tf.nest.flatten(fetches):
         size = len(tf.nest.flatten(item, expand_composites=True))
         if isinstance(item, tf.__internal__.CompositeTensor):
-            composite.update(range(j, j + size))
+            composite.update(range(j + (2 if isinstance(item, tf.SparseTensor) else 0),
+                                   j + size))
         j += size
     return frozenset(j for j, r in enumerate(roots) if isinstance(r, tf.Tensor)
                      and j not in composite and r.shape.rank is not None
@@ -893,6 +950,9 @@ def _write(array, index, value):
     if isinstance(array, tuple):
         return (array[0].write(index, tf.reshape(value, [-1])),
                 array[1].write(index, _shape(value)))
+    if value.op.type == "Shape":  # a SparseTensor's dense_shape: as _shape says, through
+        # an op whose output type inference takes as a tensor (an Identity keeps the type)
+        value = value + tf.zeros_like(value)
     return array.write(index, value)
 
 
@@ -914,12 +974,24 @@ def _ragged(flat, shapes, name):
         return tf.RaggedTensor.from_nested_row_lengths(flat, lengths, validate=False)
 
 
+def _indices(fetches):
+    """``fetches``' structure, each tensor or op its index among the flat components (a
+    composite, the list of its components' indices)."""
+    items, j = [], 0
+    for item in tf.nest.flatten(fetches):
+        size = len(tf.nest.flatten(item, expand_composites=True))
+        items.append(list(range(j, j + size)) if isinstance(
+            item, tf.__internal__.CompositeTensor) else j)
+        j += size
+    return tf.nest.pack_sequence_as(fetches, items)
+
+
 def _loss(fetches, roots):
     """The index in ``roots`` of the fetch that is the loss: the one keyed "loss" in a
     dict, else the only float scalar tensor fetched that is differentiable in a variable
     (an accuracy fetched beside the loss reaches the weights only through ``argmax`` and
     ``equal``, which have no gradient); or None."""
-    index = tf.nest.pack_sequence_as(fetches, list(range(len(roots))), expand_composites=True)
+    index = _indices(fetches)
     if isinstance(fetches, dict) and "loss" in fetches:
         if not isinstance(index["loss"], int):
             return None
@@ -962,8 +1034,7 @@ def _summaries(fetches, roots, values):
     """The values of the fetch that is the step's merged summary: the one keyed "summary"
     in a dict, else the only string scalar that a summary op makes; or None."""
     if isinstance(fetches, dict) and "summary" in fetches:
-        index = tf.nest.pack_sequence_as(fetches, list(range(len(roots))),
-                                         expand_composites=True)["summary"]
+        index = _indices(fetches)["summary"]
         return values[index] if isinstance(index, int) else None
     found = [v for v, f in zip(values, roots)
              if isinstance(f, tf.Tensor) and f.dtype == tf.string and f.op.type.endswith("Summary")]
