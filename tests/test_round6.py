@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import multistep as ms
+from multistep.compiler.tripwires import OriginalOpRanWarning
 
 v1 = tf.compat.v1
 
@@ -286,3 +287,36 @@ def test_r6_18_a_sync_replicas_step_is_refused_naming_the_accumulator():
         with pytest.raises(ValueError, match=r"ConditionalAccumulator .*SyncReplicasOptimizer"
                                              r".*would wait on themselves"):
             ms.compile([loss, train], steps=2)
+
+
+def test_r6_11_the_summary_hook_that_runs_the_original_forward_pass_is_named(tmp_path):
+    # main: the warning named the op that ran (the iterator's), not the hook; and it
+    # warned once per program, so a later, different effect went unsaid (case 5)
+    import warnings
+
+    graph = tf.Graph()
+    with graph.as_default():
+        data = tf.data.Dataset.from_tensor_slices(np.arange(60, dtype=np.float32).reshape(20, 3))
+        x = v1.data.make_one_shot_iterator(data.batch(1)).get_next()
+        w = v1.get_variable("w", [3, 1], initializer=v1.zeros_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        v1.summary.scalar("loss", loss)
+        train = v1.train.GradientDescentOptimizer(0.01).minimize(
+            loss, global_step=v1.train.get_or_create_global_step())
+        fused = ms.compile([loss, train], steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with v1.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path),
+                                                       save_summaries_steps=1,
+                                                       save_checkpoint_secs=None) as sess:
+                    fused.run(sess)
+                    sess.run(train)  # the original train op: another effect, said too
+            finally:
+                v1.summary.FileWriterCache.clear()  # (the hook's writer and its thread)
+    said = [str(w.message) for w in caught if issubclass(w.category, OriginalOpRanWarning)]
+    batch = [m for m in said if "took a batch of its own" in m]
+    assert len(batch) == 1 and "It is read by the summary 'loss'" in batch[0], said
+    assert "SummarySaverHook" in batch[0] and "ms.hooks.monitored_training_session" in batch[0]
+    assert "save_summaries_steps=None" in batch[0]
+    assert any("applied an update of its own" in m for m in said), said

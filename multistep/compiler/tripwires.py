@@ -6,8 +6,9 @@ loop may still run them: a TensorFlow hook that fetches the original loss, an ev
 steps see (it takes a batch from the shared iterator, draws from a random op whose stream
 the compiled copy does not follow, applies an update of its own), the program no longer
 does what it did as written. ``guard`` puts a tripwire before each such original op: a
-``numpy_function`` that warns (``OriginalOpRanWarning``), once per compiled program,
-naming the op and what its run did. The compiled copies never run it, and
+``numpy_function`` that warns (``OriginalOpRanWarning``), once for each kind of
+effect per compiled program, naming the op, what its run did and, where a summary reads
+it, the hook that runs the summaries. The compiled copies never run it, and
 ``ms.compile`` leaves it out of the steps it copies. (An op inside a v1 cond or loop gets
 none: a tripwire outside would fire for a branch not taken, and cannot enter a loop's
 frame.)
@@ -50,7 +51,7 @@ def effect_of(op):
 def guard(copied, label):
     """Puts a tripwire before each op of ``copied`` (the original step's ops that the
     compiled program copies) whose run changes what the compiled steps see."""
-    fired = threading.Event()  # one warning per compiled program
+    fired, lock = set(), threading.Lock()  # one warning per effect per compiled program
     graph = copied[0].graph if copied else None
     for op in copied:
         effect = effect_of(op)
@@ -59,10 +60,13 @@ def guard(copied, label):
             #           not taken, and cannot enter a loop's frame)
 
         def fire(op_name=op.name, op_type=op.type, effect=effect):
-            if not fired.is_set():
-                fired.set()
-                warnings.warn(ran_message(label, op_name, op_type, effect),
-                              OriginalOpRanWarning, stacklevel=2)
+            with lock:
+                first = effect not in fired
+                fired.add(effect)
+            if first:
+                warnings.warn(ran_message(label, op_name, op_type, effect)
+                              + _summarized(graph, op_name), OriginalOpRanWarning,
+                              stacklevel=2)
             return np.bool_(True)
 
         with graph.as_default(), tf.name_scope(f"{label}/{_SCOPE}/"), \
@@ -70,6 +74,24 @@ def guard(copied, label):
             wire = tf.numpy_function(fire, [], tf.bool, stateful=True, name="wire").op
         graph.add_to_collection(TRIPWIRES, wire)
         op._add_control_input(wire)  # noqa: SLF001 (the original op waits for its tripwire)
+
+
+def _summarized(graph, op_name):
+    """Where a summary op of the graph's SUMMARIES collection reads ``op_name``: the
+    sentence that names it and the hook that runs such summaries (a
+    ``MonitoredTrainingSession`` with a ``checkpoint_dir`` adds a ``SummarySaverHook``
+    that runs ``merge_all()`` every ``save_summaries_steps``); else ""."""
+    summaries = [t.op for t in graph.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
+                 if hasattr(t, "op")]
+    for summary in summaries:
+        if op_name in {op.name for op in graph_lib.ancestors([summary])}:
+            return (f" It is read by the summary {summary.name!r}: a "
+                    f"MonitoredTrainingSession with a checkpoint_dir adds a "
+                    f"SummarySaverHook that runs the graph's summaries every "
+                    f"save_summaries_steps, beside the compiled run. Make the session with "
+                    f"ms.hooks.monitored_training_session (it writes the compiled steps' "
+                    f"summaries), or pass save_summaries_steps=None.")
+    return ""
 
 
 def is_tripwire_name(name):
