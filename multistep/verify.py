@@ -72,7 +72,10 @@ def verify(build_fn, steps, *, runs=4, atol=0.0, config=None, progress=None, exp
         written: ``build_fn(steps)`` again, in a graph and session of their own, its
         original fetches run by plain ``sess.run`` one step at a time (step j of run r
         fed slice j of ``feed(r)``, a ``carry=`` state fed back step by step), never a
-        1-step compile of itself.
+        1-step compile of itself. For an ``ms.compile`` program ``feed`` (or
+        ``feed(run)``) may also be the run's feed dicts, one a step, as
+        ``fused.run(sess, feeds=[...])`` takes them: the form a placeholder of no shape
+        needs; step j of the reference is then fed the j-th.
       steps: inner steps per fused run (>= 1).
       runs: fused runs to compare (>= 1).
       atol: allowed max |Δ|; 0.0 asks for exact equality.
@@ -232,9 +235,12 @@ class _Program:
                     f"build_fn({steps}) returned a program without losses: verify compares "
                     f"each step's loss. Compile the loss with the train op, e.g. "
                     f"ms.compile({{'loss': loss, 'train': train_op}}, steps).")
-            if not (self.feed is None or isinstance(self.feed, dict) or callable(self.feed)):
+            if not (self.feed is None or isinstance(self.feed, (dict, list))
+                    or callable(self.feed)):
                 raise TypeError(f"build_fn({steps}) returned a feed of type "
-                                f"{type(self.feed).__name__}; expected a dict or a callable run -> dict.")
+                                f"{type(self.feed).__name__}; expected a dict, a list of "
+                                f"feed dicts (one a step, as fused.run(feeds=...)) or a "
+                                f"callable run -> either.")
             n = unrolled.losses.shape[0] if unrolled.losses.shape.rank == 1 else None
             if n is not None and n != steps:
                 raise ValueError(f"build_fn({steps}) built {n} inner steps, expected {steps}.")
@@ -253,7 +259,7 @@ class _Program:
                 self.fetch += (tf.nest.flatten(unrolled.carry),)
             # ms.compile's program takes the original placeholders, [steps, ...] values.
             self.compiled = hasattr(unrolled, "feed_dict")
-            self._translate = unrolled.feed_dict if self.compiled else (lambda feed: feed)
+            self._translate = _translator(unrolled, steps, self.compiled)
             self.label = getattr(unrolled, "name", "multistep")
             self.mode = getattr(unrolled, "mode", None) or ""  # what was built ("+xla")
             self.variables = {_name(v): v for v in tf.compat.v1.global_variables()}
@@ -291,6 +297,7 @@ class _Program:
         if not _unfed_placeholders(self._init, {}):
             return None
         feed = (self.feed(0) if callable(self.feed) else self.feed) or {}
+        feed = feed[0] if isinstance(feed, list) else feed  # (feeds=: the first step's)
         missing = _unfed_placeholders(self._init, feed)
         if missing:
             raise ValueError(
@@ -322,7 +329,8 @@ class _Program:
         initials = list(program._finals)  # noqa: SLF001
         losses = []
         for j in range(self.steps):
-            step = feed_lib.step_feed(program, feed, j)
+            step = (dict(feed[j]) if isinstance(feed, list)  # (feeds=: the step's own)
+                    else feed_lib.step_feed(program, feed, j))
             if self._carried is not None:  # the state the step before ended with
                 step.update(zip(initials, self._carried))
             if self.nodes is None:
@@ -368,6 +376,21 @@ class _Program:
             self._coordinator.request_stop()
             self._coordinator.join(self._threads, stop_grace_period_secs=10)
         self.session.close()
+
+
+def _translator(program, steps, compiled):
+    """The feed of one run, from what ``build_fn``'s feed gives: a feed dict, or, for an
+    ``ms.compile`` program, a list of feed dicts, one a step (``fused.run``'s
+    ``feeds=``; a placeholder of no shape can be fed no other way)."""
+    def translate(feed):
+        if isinstance(feed, list):
+            if not compiled:
+                raise TypeError(f"build_fn({steps}) gave a list of feed dicts, which is "
+                                f"ms.compile's feeds= form; an ms.unroll program takes one "
+                                f"feed dict a run.")
+            return program.feed_dict(feeds=feed)
+        return program.feed_dict(feed) if compiled else feed
+    return translate
 
 
 _QUEUE_TIMEOUT_MS = 300_000  # a queue-fed program's ops fail after 5 minutes' wait

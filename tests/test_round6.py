@@ -320,3 +320,30 @@ def test_r6_11_the_summary_hook_that_runs_the_original_forward_pass_is_named(tmp
     assert "SummarySaverHook" in batch[0] and "ms.hooks.monitored_training_session" in batch[0]
     assert "save_summaries_steps=None" in batch[0]
     assert any("applied an update of its own" in m for m in said), said
+
+
+def test_r6_09_verify_takes_the_feed_forms_of_fused_run():
+    # main: a build_fn feed could only be a dict (or run -> dict), and a placeholder of no
+    # shape refused it, telling the user to pass feeds=, which verify did not take
+    data = np.random.RandomState(0).randn(12, 2, 3).astype(np.float32)
+
+    def build(steps):
+        x = v1.placeholder(tf.float32, name="x")  # no shape, as MAML's
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.AdamOptimizer(0.1).minimize(loss)
+        fused = ms.compile({"loss": loss, "train": train}, steps)
+        return fused, lambda run: [{x: data[(run * steps + k) % 12]} for k in range(steps)]
+
+    report = ms.verify(build, steps=3, runs=3)
+    assert report.ok and report.bitwise, report.summary()
+    with tf.Graph().as_default():  # the single steps as written, by hand: the same losses
+        x = v1.placeholder(tf.float32, name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.AdamOptimizer(0.1).minimize(loss)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            losses = [sess.run([loss, train], {x: data[k]})[0] for k in range(9)]
+    assert np.array(report.single_losses, np.float32).tobytes() == \
+        np.array(losses, np.float32).tobytes()

@@ -171,7 +171,8 @@ def _per_step_value(program, original, value):
             f"{value.shape} fed to it could be one batch per step or the same batch at "
             f"every step. Give the placeholder a shape (tf.compat.v1.placeholder("
             f"{original.dtype.name}, [None, ...])), or pass the run's feed dicts, one a "
-            f"step: fused.run(sess, feeds=[feed_1, ..., feed_n]).")
+            f"step: fused.run(sess, feeds=[feed_1, ..., feed_n]) (for ms.verify, the "
+            f"build_fn's feed gives that list).")
     if value.ndim == rank:
         return value[None]  # the same batch at every step
     if value.ndim != rank + 1:
