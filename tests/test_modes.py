@@ -492,7 +492,7 @@ def test_auto_builds_one_program_with_one_set_of_bits_every_time():
     now choose one mode and train to one set of bits: the candidates give the same bits
     (XLA is not one), a build of the same program again in the process gets the first
     build's choice, and across processes the default stays unless another mode is 1.25x
-    faster (the ratio here: 1.34x to 1.47x in five processes on the project's machine,
+    faster (the ratio here: 1.40x to 1.47x in five trials on the project's machine,
     unrolled over loop mode at N = 4)."""
     got = []
     for _ in range(3):

@@ -15,8 +15,9 @@ time. ``Unrolled.why`` gives the figures.
 
 What is not timed, and why, is said there too: a candidate that cannot be built or run,
 unrolled mode past ``MOST_UNROLLED_STEPS`` (its build time grows with N) or over stateful
-random ops (each copy would restart the stream: other bits). No trial at all, ``"unrolled"`` as before: over a
-``tf.data`` iterator (a run would consume it) or in a ``tf.distribute`` replica context.
+random ops (each copy would restart the stream: other bits). No trial at all,
+``"unrolled"`` as before: over a ``tf.data`` iterator (a run would consume it) or in a
+``tf.distribute`` replica context.
 """
 
 import dataclasses

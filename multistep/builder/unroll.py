@@ -431,7 +431,6 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 step.initial_carry)
             outputs, end = step.build(args, carry_in)
             halt = step.halt  # (XLA, nonfinite="raise": the halt state; else None)
-            forms = {"plain": (outputs, end, halt)}
         step_seconds = time.perf_counter() - started
         watched = {**graph_lib.watched_variables(step.state()), **step.written}
         carry_links = {} if carry_in is None else {
@@ -477,7 +476,7 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                       if not re.sub(r"^replica_\d+/", "", op.name).startswith(base)}
         if timed:
             trial = time.perf_counter()
-            mode, why = _timed(step, graph, forms["plain"], steps, label, program)
+            mode, why = _timed(step, graph, (outputs, end, halt), steps, label, program)
             started += time.perf_counter() - trial  # (the slow-build warning: not the trial)
             run_length = run_length if mode == "while_loop" else None
         if steps > 1:

@@ -439,9 +439,11 @@ ACCUMULATING = ("AccumulatorApplyGradient", "ResourceAccumulatorApplyGradient",
 def _refuse_accumulated(roots):
     """ValueError for a step whose gradients go to a ``ConditionalAccumulator`` that
     another run aggregates (``SyncReplicasOptimizer``): the step waits for a token that
-    run puts back, so N steps in one run would wait on themselves (it hung)."""
-    found = [op for op in graph_lib.ancestors([getattr(r, "op", r) for r in roots])
-             if op.type in ACCUMULATING]
+    run puts back, so N steps in one run would wait on themselves (it hung). A step that
+    takes the mean from its accumulator itself is a step like any other."""
+    step = graph_lib.ancestors([getattr(r, "op", r) for r in roots])
+    taken = {op.inputs[0].op for op in step if op.type.endswith("AccumulatorTakeGradient")}
+    found = [op for op in step if op.type in ACCUMULATING and op.inputs[0].op not in taken]
     if found:
         raise ValueError(
             f"ms.compile: the step hands its gradients to a ConditionalAccumulator "
