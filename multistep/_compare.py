@@ -44,6 +44,9 @@ class Report:
         ``tf.data`` pipeline draws at random without a seed, or with seeds that differ
         between them), or None. A divergence is then no verdict on the training code;
         the summary says so, and how to seed the pipeline.
+      every: the ``ms.every`` conds the compared step holds (their names): the
+        reference runs them too, so the comparison cannot tell whether they stand where
+        the loop's Python ``if`` ran its ops; the summary says so.
     """
 
     steps: int
@@ -63,6 +66,7 @@ class Report:
     data_order: object = None
     random_ops: tuple = ()
     as_written: bool = False
+    every: tuple = ()
 
     @property
     def ok(self):
@@ -107,6 +111,11 @@ class Report:
                      "steps, a learning-rate change) and ops it runs outside the fetches (a "
                      "hook's fetch of the original loss, an evaluation run): each runs once a "
                      "call of the compiled program, not once a step")
+        if self.every:
+            line += (f"\nms.every ops in the step ({', '.join(self.every)}) run in the "
+                     f"reference too: they are compared with themselves, not with your "
+                     f"loop's Python if (check that after= or before= matches where your "
+                     f"loop ran the ops: after the train run, or above it)")
         return line
 
     def _kernel_line(self):

@@ -22,7 +22,8 @@ from tensorflow.python.framework import op_def_registry
 __all__ = ["ALIAS_OPS", "CALL_OPS", "READ_OPS", "STATEFUL_RANDOM_OPS", "ancestors",
            "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds",
            "global_step_variable", "is_stateful_random", "is_write", "named_few", "order_as_built",
-           "outer_function", "preds", "program_nodes", "read_of", "ref_variable_of", "source_op",
+           "outer_function", "preds", "program_nodes", "random_in_functions", "read_of",
+           "ref_variable_of", "source_op",
            "stateful_random_ops", "stateless_replacement", "user_stacklevel", "watched_variables",
            "written_variables"]
 
@@ -234,16 +235,23 @@ def stateful_random_ops(ops):
             found.add(f"'{op.name}' ({op.type})")
         if "Dataset" in op.type or "Iterator" in op.type:
             continue
-        queue, seen = list(called_functions(op.node_def)), set()
-        while queue:
-            name = queue.pop()
-            function = None if name in seen else outer_function(op.graph, name)
-            seen.add(name)
-            for node in function.node_def if function is not None else ():
-                if _is_stateful_random_type(node.op):
-                    found.add(f"'{node.name}' ({node.op}) in a function {op.name!r} calls")
-                queue.extend(called_functions(node))
+        found.update(f"'{node.name}' ({node.op}) in a function {op.name!r} calls"
+                     for node in random_in_functions(op.graph, called_functions(op.node_def)))
     return sorted(found)
+
+
+def random_in_functions(graph, names):
+    """The stateful random nodes (``NodeDef``) of the functions ``names`` of ``graph``
+    and of the functions they call."""
+    queue, seen = list(names), set()
+    while queue:
+        name = queue.pop()
+        function = None if name in seen else outer_function(graph, name)
+        seen.add(name)
+        for node in function.node_def if function is not None else ():
+            if _is_stateful_random_type(node.op):
+                yield node
+            queue.extend(called_functions(node))
 
 
 def stateless_replacement(found):

@@ -20,6 +20,7 @@ from multistep._compare import Report, max_abs_diff, same_bits
 from multistep.builder.unroll import forced_xla
 from multistep.builder.unroll import positive_int as _positive_int
 from multistep.compiler import feeds as feed_lib
+from multistep.compiler.every import EVERY
 from multistep.compiler import kernels as kernels_lib
 from multistep.compiler import tripwires
 
@@ -188,7 +189,8 @@ def _verify(build_fn, steps, runs, atol, config, progress, explain, xla):
                       final_values=fused_values, kernels=difference,
                       same_kernels=same_kernels, explain=bool(explain), xla=bool(xla),
                       plain_max_abs_diff=plain_diff, data_order=_data_order(fused, single),
-                      random_ops=_random_ops(fused), as_written=single.as_written)
+                      random_ops=_random_ops(fused), as_written=single.as_written,
+                      every=_every(single))
     finally:
         for program in (fused, single, plain):
             if program is not None:
@@ -274,6 +276,7 @@ class _Program:
             self._reads = {name: tf.identity(v) for name, v in self.variables.items()}
             self._init = [tf.compat.v1.global_variables_initializer(), _local_init_op()]
             queues = self.graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)
+            _refuse_unfilled_queues(self.fetch, queues, steps)
             self.graph.finalize()
         if queues:  # a queue-fed input: a dequeue that waits forever would hang verify
             config = tf.compat.v1.ConfigProto() if config is None else _copy(config)
@@ -396,6 +399,28 @@ def _translator(program, steps, compiled):
 _QUEUE_TIMEOUT_MS = 300_000  # a queue-fed program's ops fail after 5 minutes' wait
 
 
+def _refuse_unfilled_queues(fetch, runners, steps):
+    """ValueError for a step that dequeues from a queue nothing in verify's session
+    fills: no queue runner of the graph's and no enqueue of the step's own (the program
+    fills it with ``enqueue_many`` from its own loop): in verify's new session it is
+    empty, and the first dequeue would wait for ever."""
+    ops = graph_lib.ancestors([t if isinstance(t, tf.Operation) else t.op
+                               for t in tf.nest.flatten(fetch)])
+    filled = {runner.queue.queue_ref.op for runner in runners}
+    filled |= {op.inputs[0].op for op in ops if op.type.startswith("QueueEnqueue")}
+    empty = sorted({op.inputs[0].op.name for op in ops if op.type.startswith("QueueDequeue")
+                    and op.inputs[0].op not in filled})
+    if empty:
+        raise ValueError(
+            f"build_fn({steps})'s step dequeues from {graph_lib.named_few(map(repr, empty))}, "
+            f"which no queue runner fills: the program fills it from its own loop "
+            f"(enqueue_many), and in the session verify makes it is empty, so the first "
+            f"step would wait for ever. Give verify a build_fn whose step reads its "
+            f"batches from placeholders (the feed it returns) or a tf.data pipeline, or "
+            f"fill the queue with a QueueRunner (tf.compat.v1.train.add_queue_runner), "
+            f"which verify starts.")
+
+
 def _copy(config):
     copied = tf.compat.v1.ConfigProto()
     copied.CopyFrom(config)
@@ -460,6 +485,14 @@ def _pipeline_functions(graph):
             found[name] = library[name]
             queue += [n for node in library[name].node_def for n in called(node)]
     return list(found.values())
+
+
+def _every(program):
+    """The names of the ``ms.every`` conds the program's fetches reach."""
+    conds = program.graph.get_collection(EVERY)
+    reached = graph_lib.ancestors([t if isinstance(t, tf.Operation) else t.op
+                                   for t in tf.nest.flatten(program.fetch)]) if conds else ()
+    return tuple(op.name for op in conds if op in reached)
 
 
 def _random_ops(program):

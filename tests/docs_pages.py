@@ -9,7 +9,11 @@ as a title: ```` ```python title="Not run: why" ````. ``bash`` and ``text`` bloc
 Refusals: every ``raise SomeError(...)`` and ``warnings.warn(...)`` in ``multistep/**/*.py``
 is known by its class and its message's *fixed phrase*: the longest piece of literal
 text in the message (the f-string's text between the values it formats), whitespace
-collapsed. The Errors page lists it on one line holding both.
+collapsed. The Errors page has an entry for it: a heading ``### title { #anchor }``,
+then a message line holding both, then "What it means" and "What to do" (``entries``).
+
+Code lines: a line of a fenced block is at most ``CODE_COLUMNS`` characters, so that no
+block scrolls sideways on the site.
 """
 
 import ast
@@ -29,6 +33,7 @@ MIN_PHRASE = 12
 # Raises that are not refusals a user can meet: an abstract method, an internal invariant.
 # (A private class, ``_Skipped``, is a module's own control flow, caught where it is raised.)
 NOT_REFUSALS = ("NotImplementedError", "AssertionError")
+CODE_COLUMNS = 88
 
 
 def pages():
@@ -68,9 +73,14 @@ class Refusal:
         self.path, self.line, self.kind, self.phrase, self.template = path, line, kind, phrase, template
 
     def entry(self):
-        """The Errors page line that documents it."""
+        """An Errors page entry that documents it (its title, anchor and two paragraphs
+        to be written)."""
         kind = self.kind or "TensorFlow's own error, its message rewritten"
-        return f"- **{kind}** (`{os.path.basename(self.path)}`): `` {self.template} ``"
+        words = re.findall(r"[\w.=']+", self.phrase or self.template)[:8]
+        title = " ".join(words) or kind
+        anchor = "-".join(re.findall(r"[a-z0-9]+", title.lower())[:6])
+        return (f"### {title} {{ #{anchor} }}\n\n`{kind}`: `` {self.template} ``\n\n"
+                f"**What it means.** …\n\n**What to do.** …\n")
 
     def __repr__(self):
         return f"{self.path}:{self.line}: {self.kind}: {self.phrase!r}"
@@ -204,3 +214,92 @@ def documented(refusal, page_lines):
 def page_lines(text):
     """The page's lines, whitespace collapsed and Markdown's escaped pipes unescaped."""
     return [_normal(line.replace("\\|", "|")) for line in text.splitlines()]
+
+
+# The Errors page: an entry is a heading ``### title { #anchor }`` (attr_list's explicit
+# id), its message lines (the class and the message, each on one line), then the
+# paragraphs "**What it means.** ..." and "**What to do.** ...". HTML comments (the
+# maintainers' note) are not part of the page.
+HEADING = re.compile(r"^(?P<level>#{1,6}) (?P<title>.*?)(?: \{ *#(?P<anchor>[^\s}]+) *\})?[ \t]*$")
+MEANS, DO = "**What it means.**", "**What to do.**"
+
+
+class Entry:
+    """One entry of the Errors page."""
+
+    def __init__(self, title, anchor, line, messages, means, do):
+        self.title, self.anchor, self.line = title, anchor, line
+        self.messages, self.means, self.do = messages, means, do
+
+    def __repr__(self):
+        return f"docs/errors.md:{self.line}: {self.title!r} {{ #{self.anchor} }}"
+
+
+def _uncommented(text):
+    """``text`` without its HTML comments, their lines kept blank (line numbers hold)."""
+    return re.sub(r"<!--.*?-->", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+
+
+def sections(text):
+    """The page's ``##`` headings: (title, anchor or None, line)."""
+    found = []
+    for number, line in enumerate(_uncommented(text).splitlines(), 1):
+        m = HEADING.match(line)
+        if m and len(m.group("level")) == 2:
+            found.append((m.group("title"), m.group("anchor"), number))
+    return found
+
+
+def entries(text):
+    """The Errors page's entries (its ``###`` headings and what follows each), in order."""
+    found, current = [], None
+    for number, line in enumerate(_uncommented(text).splitlines(), 1):
+        m = HEADING.match(line)
+        if m:
+            current = None
+            if len(m.group("level")) == 3:
+                current = {"title": m.group("title"), "anchor": m.group("anchor"),
+                           "line": number, "paragraphs": [[]]}
+                found.append(current)
+            continue
+        if current is None:
+            continue
+        if line.strip():
+            current["paragraphs"][-1].append(line.strip())
+        elif current["paragraphs"][-1]:
+            current["paragraphs"].append([])
+    out = []
+    for e in found:
+        paragraphs = [" ".join(p) for p in e["paragraphs"] if p]
+        means = next((p for p in paragraphs if p.startswith(MEANS)), None)
+        do = next((p for p in paragraphs if p.startswith(DO)), None)
+        first = next((i for i, p in enumerate(paragraphs) if p.startswith((MEANS, DO))),
+                     len(paragraphs))
+        out.append(Entry(e["title"], e["anchor"], e["line"], paragraphs[:first], means, do))
+    return out
+
+
+def message_lines(text):
+    """The message lines of the Errors page's entries (what ``documented`` searches),
+    whitespace collapsed."""
+    return page_lines("\n".join(m for e in entries(text) for m in e.messages))
+
+
+def package_literals():
+    """Every string literal of ``multistep/**/*.py``, whitespace collapsed (an f-string's
+    text between the values it formats, its implicitly joined pieces one literal)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "multistep", "**", "*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            found += _literals(ast.parse(f.read()))
+    return found
+
+
+def long_code_lines(text, columns=CODE_COLUMNS):
+    """(line number, length) of each line of a fenced block longer than ``columns``."""
+    out = []
+    for block in blocks(text):
+        for i, line in enumerate(block.code.splitlines(), block.line + 1):
+            if len(line) > columns:
+                out.append((i, len(line)))
+    return out

@@ -190,8 +190,9 @@ def _data_program(dropout):
 def test_tensorflows_own_hooks_fetching_the_original_loss_are_reported():
     """MonitoredTrainingSession with NanTensorHook and LoggingTensorHook on the original
     loss beside fused.train_op: the original forward pass runs too and takes a batch of
-    its own from the iterator. Warned at the first such run, naming the op. On main
-    nothing said so (and TensorFlow's StopAtStepHook(12) trained 16 steps)."""
+    its own from the iterator. Warned at the compiled program's next run (before its
+    steps), naming the op. On main nothing said so (and TensorFlow's StopAtStepHook(12)
+    trained 16 steps)."""
     with tf.Graph().as_default():
         loss, train = _data_program(dropout=False)
         fused = ms.compile({"loss": loss, "train": train}, steps=N)
@@ -199,6 +200,7 @@ def test_tensorflows_own_hooks_fetching_the_original_loss_are_reported():
         with V1.train.MonitoredSession(hooks=hooks) as sess:
             with pytest.warns(OriginalOpRanWarning, match=r"IteratorGetNext.*took a batch of "
                                                           r"its own.*ms.hooks"):
+                sess.run(fused.train_op)
                 sess.run(fused.train_op)
 
 
@@ -237,7 +239,8 @@ def test_the_port_with_compiled_values_handed_to_tensorflows_hooks_is_bitwise():
 def test_an_evaluation_run_through_the_original_dropout_is_reported():
     """The VAE's end-of-epoch reconstruction runs the original forward pass, dropout
     included: its draw advances a stream the loop body's copy does not follow. Warned,
-    naming the random op."""
+    naming the random op, at the compiled program's next run and before its first step:
+    with the warning an error, that run applies nothing."""
     with tf.Graph().as_default():
         x = V1.placeholder(tf.float32, [None, 5], "x")
         w = V1.get_variable("w", initializer=np.ones([5, 2], np.float32))
@@ -251,8 +254,15 @@ def test_an_evaluation_run_through_the_original_dropout_is_reported():
             with warnings.catch_warnings():
                 warnings.simplefilter("error", OriginalOpRanWarning)
                 fused.run(sess, {x: DATA_X[:4]})  # the compiled steps alone: no warning
+            sess.run(h, {x: DATA_X[:4]})  # the evaluation
+            before = sess.run(w)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", OriginalOpRanWarning)
+                with pytest.raises(tf.errors.OpError, match="OriginalOpRanWarning"):
+                    fused.run(sess, {x: DATA_X[:4]})
+            assert sess.run(w).tobytes() == before.tobytes()  # no step applied
             with pytest.warns(OriginalOpRanWarning, match=r"RandomUniform.*random stream"):
-                sess.run(h, {x: DATA_X[:4]})  # the evaluation
+                fused.run(sess, {x: DATA_X[:4]})
 
 
 def test_a_second_compile_does_not_copy_the_first_ones_tripwires():

@@ -54,13 +54,68 @@ def test_python_blocks_run(page, capsys):
 
 
 def test_errors_page_lists_every_refusal():
-    lines = docs_pages.page_lines(docs_pages.read("docs/errors.md"))
+    text = docs_pages.read("docs/errors.md")
+    lines = docs_pages.message_lines(text)
     found = docs_pages.refusals()
-    assert len(found) > 150  # the walk finds the library's raises (191 when this was written)
+    assert len(found) > 150  # the walk finds the library's raises (258 when this was written)
     missing = [r for r in found if not docs_pages.documented(r, lines)]
-    assert not missing, ("docs/errors.md lacks a line for these refusals (class and the fixed "
-                         "text of the message on one line); add, under the module's heading:\n"
-                         + "\n".join(f"{r!r}\n    {r.entry()}" for r in missing))
+    assert not missing, ("docs/errors.md has no entry whose message line holds these "
+                         "refusals' class and the fixed text of their message; add an entry "
+                         "(the format: the note at the top of docs/errors.md) in the section "
+                         "where a user meets it, e.g.:\n\n"
+                         + "\n".join(f"{r!r}\n\n{r.entry()}" for r in missing))
+
+
+# Messages the package gives at run time other than by a raise or warnings.warn it makes
+# (an Assert in the compiled graph, TensorFlow's error rewritten, a logged line), and the
+# exceptions of a run that stops midway: (class, a fixed phrase of the message). Each is
+# an Errors page entry's message line, and each phrase is text of the package's source.
+RUN_TIME_MESSAGES = [
+    ("InvalidArgumentError", "and no value was fed to it"),  # an unfed per-step input
+    ("InvalidArgumentError", "must hold one batch per step"),
+    ("InvalidArgumentError", "leading dimension must equal steps="),
+    ("InvalidArgumentError", "must equal the steps this run does"),
+    ("InvalidArgumentError", "has a non-finite"),
+    ("InvalidArgumentError", "a step had a non-finite value and halted the run"),
+    ("StepFailedError", "the run failed at its step"),
+    ("InputExhaustedError", "the input ran out during a run"),
+    ("OriginalOpRanWarning", "ran beside the compiled program"),
+    ("StaleForwardError", "a silently wrong result"),
+    ("WorkerLostError", "A synchronous multi-worker step needs every worker"),
+    ("", "the step deferred by the run call at"),
+    ("", "advanced the global step by fewer than"),
+]
+
+
+def test_errors_page_has_the_run_time_messages():
+    lines = docs_pages.message_lines(docs_pages.read("docs/errors.md"))
+    source = docs_pages.package_literals()
+    for kind, phrase in RUN_TIME_MESSAGES:
+        assert any(phrase in literal for literal in source), (
+            f"{phrase!r} is no longer text of multistep/: update RUN_TIME_MESSAGES and "
+            f"docs/errors.md")
+        assert any(kind in line and phrase in line for line in lines), (
+            f"docs/errors.md has no entry whose message line holds {kind} and {phrase!r}")
+
+
+def test_errors_page_entries_have_unique_anchors():
+    """Each entry (### heading) and section (##) has an explicit anchor, unique, that a
+    link or the search lands on; each entry has its message, what it means, what to do."""
+    text = docs_pages.read("docs/errors.md")
+    found = docs_pages.entries(text)
+    assert len(found) > 150
+    anchors = [a for _, a, _ in docs_pages.sections(text)] + [e.anchor for e in found]
+    for title, anchor, line in docs_pages.sections(text):
+        assert anchor, f"docs/errors.md:{line}: section {title!r} needs {{ #anchor }}"
+    for entry in found:
+        assert entry.anchor and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", entry.anchor), (
+            f"{entry!r}: an entry's heading ends with {{ #anchor }}, lowercase words and "
+            f"hyphens")
+        assert entry.messages and all(m.startswith("`") for m in entry.messages), (
+            f"{entry!r}: the message line (`Class`: `` message ``) follows the heading")
+        assert entry.means and entry.do, f"{entry!r}: needs **What it means.** and **What to do.**"
+    repeated = sorted({a for a in anchors if anchors.count(a) > 1})
+    assert not repeated, f"docs/errors.md: anchors used twice: {repeated}"
 
 
 def test_the_refusal_walk_finds_a_new_raise_and_its_phrase(tmp_path, monkeypatch):
@@ -76,18 +131,32 @@ def test_the_refusal_walk_finds_a_new_raise_and_its_phrase(tmp_path, monkeypatch
     found = docs_pages.refusals()
     assert [(r.kind, r.phrase) for r in found] == [
         ("ValueError", "x must be >= 0 for the new thing, got"), ("RuntimeWarning", "the new thing is slow")]
-    page = docs_pages.page_lines("- **ValueError** (`new.py`): `` x must be >= 0, got … ``")
-    assert not any(docs_pages.documented(r, page) for r in found)
-    assert all(docs_pages.documented(r, docs_pages.page_lines(r.entry())) for r in found)
+    page = docs_pages.message_lines("### x must be >= 0 { #x-must-be }\n\n"
+                                    "`ValueError`: `` x must be >= 0, got … ``\n\n"
+                                    "**What it means.** …\n\n**What to do.** …\n")
+    assert page and not any(docs_pages.documented(r, page) for r in found)
+    # a message line outside an entry (here: in a comment) documents nothing
+    comment = "<!--\n" + "\n".join(r.entry() for r in found) + "-->\n"
+    assert not docs_pages.message_lines(comment)
+    assert all(docs_pages.documented(r, docs_pages.message_lines(r.entry())) for r in found)
 
 
-def test_every_error_in_the_table_names_an_existing_test():
-    table = docs_pages.read("docs/errors.md").split("\n## ", 1)[0]
-    rows = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", table)
-    assert len(rows) >= 40
-    for path, name in rows:
-        with open(os.path.join(ROOT, path)) as f:
-            assert re.search(rf"^def {name}\(", f.read(), re.M), f"{path}::{name}"
+@pytest.mark.parametrize("page", docs_pages.pages())
+def test_code_lines_fit_in_88_columns(page):
+    """A code block's lines are at most 88 characters: on the site no block scrolls sideways."""
+    long = docs_pages.long_code_lines(docs_pages.read(page))
+    assert not long, (f"{page}: code lines over {docs_pages.CODE_COLUMNS} characters (line, "
+                      f"length): {long}; wrap them (a python block must stay valid Python)")
+
+
+def test_code_line_check_finds_a_long_line():
+    text = "```text\n" + "x" * 88 + "\n" + "y" * 89 + "\n```\n"
+    assert docs_pages.long_code_lines(text) == [(3, 89)]
+
+
+def test_benchmarks_page_links_the_changelog():
+    """The history of the figures is the changelog's; the Benchmarks page links it."""
+    assert "(changelog.md" in docs_pages.read("docs/benchmarks.md")
 
 
 def _api_directives():

@@ -312,6 +312,7 @@ def test_r6_11_the_summary_hook_that_runs_the_original_forward_pass_is_named(tmp
                                                        save_checkpoint_secs=None) as sess:
                     fused.run(sess)
                     sess.run(train)  # the original train op: another effect, said too
+                    fused.run(sess)  # (said at the compiled program's next run)
             finally:
                 v1.summary.FileWriterCache.clear()  # (the hook's writer and its thread)
     said = [str(w.message) for w in caught if issubclass(w.category, OriginalOpRanWarning)]
@@ -347,3 +348,274 @@ def test_r6_09_verify_takes_the_feed_forms_of_fused_run():
             losses = [sess.run([loss, train], {x: data[k]})[0] for k in range(9)]
     assert np.array(report.single_losses, np.float32).tobytes() == \
         np.array(losses, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("where", ["v1 cond", "v2 cond", "tf.function"])
+def test_r6_05_a_draw_inside_a_cond_or_a_tf_function_is_warned_once_a_session(where):
+    # main: the tripwires skipped ops in a v1 cond and looked only at an op's own type
+    # (a tf.function's call is not a random op's), and warned once a program: an
+    # evaluation through the original dropout, in a fresh session too, moved the
+    # streams unsaid
+    import warnings
+
+    if where == "v1 cond":
+        v1.disable_control_flow_v2()  # (a training switch built as Switch and Merge)
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 3], name="x")
+            training = v1.placeholder_with_default(True, [], name="training")
+            w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+
+            @tf.function
+            def dropout(t):
+                return tf.nn.dropout(t, rate=0.5, seed=1)
+
+            h = v1.cond(training, lambda: tf.nn.dropout(x, rate=0.5, seed=1),
+                        lambda: x) if "cond" in where else dropout(x)
+            loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - 1.0))
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # (loop mode's dropout note)
+                fused = ms.compile([loss, train], steps=2)
+    finally:
+        v1.enable_control_flow_v2()
+    data = np.ones([4, 3], np.float32)
+    for _ in range(2):  # each session of the graph is warned
+        with v1.Session(graph=graph) as sess:
+            sess.run(w.initializer)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fused.run(sess, {x: data})
+                if "cond" in where:
+                    sess.run(loss, {x: data, training: False})  # the branch that does not draw
+                    fused.run(sess, {x: data})
+                quiet = list(caught)
+                sess.run(loss, {x: data})  # the original dropout draws
+                fused.run(sess, {x: data})
+                fused.run(sess, {x: data})
+            said = [str(c.message) for c in caught if c.category is OriginalOpRanWarning]
+            assert not quiet and len(said) == 1, said
+            assert "RandomUniform" in said[0] and "random stream" in said[0], said
+            assert ("in a function" in said[0]) == (where != "v1 cond"), said
+
+
+def test_r6_21_the_users_own_step_runs_no_python_after_compile():
+    # main: each guarded original op waited on a numpy_function, a Python callback per
+    # op kind per run of the user's own step (2.5x slower on a CIFAR-sized step; the
+    # figure: benchmarks/tripwire_cost.py). Now an in-graph insert: the single step's
+    # executed kernels hold no PyFunc, and the compiled program calls Python only in a
+    # run that warns
+    graph = tf.Graph()
+    x, _, loss, train, _ = _step(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=2)
+    options = v1.RunOptions(output_partition_graphs=True)
+    data = {x: np.ones([2, 3], np.float32)}
+
+    def kernels(fetch, feed):
+        metadata = v1.RunMetadata()
+        sess.run(fetch, feed, options=options, run_metadata=metadata)
+        return {n.op for g in metadata.partition_graphs for n in g.node}
+
+    with v1.Session(graph=graph) as sess:
+        sess.run(v1.global_variables_initializer())
+        compiled = kernels(fused.train_op, {fused.inputs[x]: np.ones([2, 2, 3], np.float32)})
+        single = kernels(train, data)
+        assert "LookupTableInsertV2" in single  # (the tripwire is there...)
+        assert not {"PyFunc", "EagerPyFunc"} & single, single  # (... and is no callback)
+        assert "PyFunc" in compiled  # (in the check's branch, not taken in this run)
+        with pytest.warns(OriginalOpRanWarning, match="applied an update of its own"):
+            fused.run(sess, data)  # the single step above ran: said now, before the steps
+
+
+def test_r6_13_step_failed_error_counts_the_failing_steps_own_update():
+    # main: "the first 1 of its 3 steps were applied", where the failing step's own
+    # update had run too (its check reads the apply's result, as a check after the train
+    # op does): the global step had moved by 2
+    def program():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [], name="x")
+            w = v1.get_variable("w", [], initializer=v1.ones_initializer())
+            step = v1.train.get_or_create_global_step()
+            loss = tf.square(w - x)
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+            with tf.control_dependencies([train]):  # checked after the update
+                checked = tf.debugging.check_numerics(w * x, "w * x")
+        return graph, x, w, step, checked, train
+
+    written, px, pw, pstep, pchecked, ptrain = program()
+    graph, x, w, step, checked, train = program()
+    with graph.as_default():
+        fused = ms.compile([checked, train], steps=3)
+    batches = np.array([1.0, np.inf, 2.0], np.float32)
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        plain.run(v1.variables_initializer([pw, pstep]))
+        sess.run(v1.variables_initializer([w, step]))
+        plain.run([pchecked, ptrain], {px: batches[0]})
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            plain.run([pchecked, ptrain], {px: batches[1]})  # as written: the loop stops here
+        with pytest.raises(ms.StepFailedError, match=r"the first 1 of its 3 steps were "
+                           r"applied.*step 2's own updates ran.*moved by 2 in this run, to 2"):
+            fused.run(sess, {x: batches})
+        assert sess.run(step) == plain.run(pstep) == 2
+        assert sess.run(w).tobytes() == plain.run(pw).tobytes()
+
+
+def test_r6_14_a_halted_xla_run_holds_the_applied_steps_losses():
+    # main: under XLA, nonfinite="raise" raised TensorFlow's InvalidArgumentError with no
+    # .values: the losses of the steps the run applied were lost
+    def run(data):
+        with tf.Graph().as_default():
+            def loss_fn(x):
+                w = v1.get_variable("w", [], initializer=v1.ones_initializer())
+                return tf.reduce_sum(tf.square(w * x))
+
+            fused = ms.unroll(loss_fn, v1.train.GradientDescentOptimizer(0.01), 4,
+                              inputs=[data], mode="while_loop", xla=True, nonfinite="raise")
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                try:
+                    return fused.run(sess), sess.run(fused.var_list[0])
+                except ms.StepFailedError as error:
+                    return error, sess.run(fused.var_list[0])
+
+    finite, _ = run(np.array([[1.0], [2.0], [5.0], [3.0]], np.float32))
+    error, _ = run(np.array([[1.0], [2.0], [np.inf], [3.0]], np.float32))
+    assert isinstance(error, tf.errors.InvalidArgumentError)  # (what it raised before)
+    assert "inner step 3 has a non-finite" in str(error)
+    assert error.values.tobytes() == finite[:2].tobytes()  # the same program's two steps
+
+
+def test_r6_16_verify_of_a_step_reading_a_queue_the_loop_fills_is_refused_at_once():
+    # main: verify waited for ever on the first dequeue (the program fills its FIFOQueue
+    # with enqueue_many from its own loop; verify's session starts with it empty)
+    def build(steps):
+        queue = tf.queue.FIFOQueue(64, [tf.float32], shapes=[[3]])
+        x = queue.dequeue_many(2)
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return ms.compile({"loss": loss, "train": train}, steps), None
+
+    with pytest.raises(ValueError, match=r"dequeues from 'fifo_queue', which no queue runner "
+                                         r"fills.*wait for ever.*add_queue_runner"):
+        ms.verify(build, 2)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_r6_01_every_before_the_step_copies_as_the_loop_above_the_train_run_does(mode):
+    # main: ms.every had only after=: the DQN's copy above its train run, ported as
+    # after=, never copied at step 0 and copied after the last step, unsaid
+    def program(port):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [4], name="x")
+            w = v1.get_variable("w", initializer=np.float32(0.5))
+            target = v1.get_variable("target", initializer=np.float32(0.0))
+            step = v1.train.get_or_create_global_step()
+            loss = tf.reduce_mean(tf.square(w * x - target - 1.0))  # reads the target
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+            copy = ms.every(3, lambda: [target.assign(w)], before=train) if port else \
+                target.assign(w)
+        return graph, x, w, target, step, loss, train, copy
+
+    batches = np.random.RandomState(1).randn(6, 4).astype(np.float32)
+    graph, x, w, target, step, loss, train, copy = program(port=False)
+    with v1.Session(graph=graph) as sess:  # as written: the copy above the train run
+        sess.run(v1.global_variables_initializer())
+        losses = []
+        for b in batches:
+            if sess.run(step) % 3 == 0:
+                sess.run(copy)
+            losses.append(sess.run([loss, train], {x: b})[0])
+        want = sess.run([w, target, step]) + [np.array(losses)]
+    graph, x, w, target, step, loss, train, _ = program(port=True)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=3, mode=mode)
+    with v1.Session(graph=graph) as sess:
+        sess.run(v1.global_variables_initializer())
+        losses = [fused.run(sess, {x: batches[3 * r:3 * r + 3]})[0] for r in range(2)]
+        got = sess.run([w, target, step]) + [np.concatenate(losses)]
+    for a, b in zip(got, want):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (got, want)
+
+
+def test_r6_01_verify_says_every_ops_are_compared_with_themselves():
+    # main: verify said OK of the after= port that never copied at step 0: its reference
+    # ran the ms.every op too, and the report did not say so
+    def build(steps):
+        w = v1.get_variable("w", initializer=np.float32(0.5))
+        target = v1.get_variable("target", initializer=np.float32(0.0))
+        step = v1.train.get_or_create_global_step()
+        loss = tf.square(w - target - 1.0)
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        copied = ms.every(3, lambda: [target.assign(w)], after=train)
+        return ms.compile({"loss": loss, "train": train, "copied": copied}, steps), None
+
+    report = ms.verify(build, 3, runs=2)
+    assert report.ok and len(report.every) == 1 and report.every[0].startswith("every/")
+    assert "ms.every ops in the step" in report.summary() and "above it" in report.summary()
+
+
+def test_r6_19_tensorflows_nan_hook_on_the_original_loss_is_refused_naming_the_fix():
+    # main: TensorFlow's "You must feed a value for placeholder 'x'", raised from the
+    # hook's fetch, with no pointer to fused.losses
+    graph = tf.Graph()
+    x, _, loss, train, _ = _step(graph)
+    with graph.as_default():
+        fused = ms.compile([loss, train], steps=2)
+        for hook in (v1.train.NanTensorHook(loss),
+                     v1.train.LoggingTensorHook({"loss": loss.name}, every_n_iter=1)):
+            with v1.train.MonitoredSession(hooks=[hook]) as sess:
+                with pytest.raises(ValueError, match=rf"{type(hook).__name__}.*placeholder"
+                                                     rf"\(s\) 'x'.*NanTensorHook\(tf\.reduce_sum"
+                                                     rf"\(fused\.losses\)\)"):
+                    fused.run(sess, {x: BATCHES[:2]})
+        fix = v1.train.NanTensorHook(tf.reduce_sum(fused.losses))
+        with v1.train.MonitoredSession(hooks=[fix]) as sess:
+            assert fused.run(sess, {x: BATCHES[:2]})[0].shape == (2,)  # the fix works
+
+
+def test_r6_15_a_run_cut_short_by_its_input_writes_its_applied_steps_summaries(tmp_path):
+    # main: under MonitoredTrainingSession, StepSummaryHook wrote nothing of the steps a
+    # run applied before its input ran out (the hook's after_run never came), unsaid
+    import glob
+    import os
+
+    data = np.random.RandomState(2).randn(5, 3).astype(np.float32)
+
+    def program():
+        x = v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices(data).batch(1)).get_next()
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, global_step=v1.train.get_or_create_global_step())
+        return loss, train
+
+    with tf.Graph().as_default():  # as written: a sess.run a step, to the end of the data
+        loss, train = program()
+        want = []
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(5):
+                want.append(sess.run([loss, train])[0])
+    with tf.Graph().as_default():
+        loss, train = program()
+        fused = ms.compile({"loss": loss, "train": train}, steps=2)
+        hooks = [ms.hooks.StepSummaryHook(fused, str(tmp_path))]
+        try:
+            with v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+                while not sess.should_stop():
+                    fused.run(sess)  # 2 + 2 steps, then 1 of 2 before the data runs out
+        finally:
+            v1.summary.FileWriterCache.clear()
+    got = [(event.step, value.simple_value)
+           for path in sorted(glob.glob(os.path.join(tmp_path, "events.out.tfevents.*")))
+           for event in v1.train.summary_iterator(path) for value in event.summary.value
+           if value.tag == "loss"]
+    assert [step for step, _ in got] == [1, 2, 3, 4, 5], got
+    assert np.array([v for _, v in got], np.float32).tobytes() == \
+        np.array(want, np.float32).tobytes()

@@ -147,8 +147,10 @@ def test_a_runs_host_work_is_the_xla_call_and_a_handful_of_nodes():
     handles, the run length's read (a table lookup: no cond on a variable being
     initialised, which cost 6 host nodes), the halt check (an
     Assert of the program's outputs and its message: no variable to reset or read, no string
-    built; a loop's halt state is one int: the Assert's condition is its Equal to 0) and
-    the losses' slice (and its start) and name. The program's outputs have static
+    built; a loop's halt state is one int: the Assert's condition is its Equal to 0), the
+    losses kept before it (one assign: a halted run's error holds the applied steps'
+    losses, ``.values``) and the losses' slice (and its start) and name. The program's
+    outputs have static
     shapes: a slice to the steps made inside it is an output of dynamic shape, which cost 17
     µs a call on blobs. A halt still names the step and the value, as unrolled mode does."""
     with tf.Graph().as_default() as graph:
@@ -168,8 +170,8 @@ def test_a_runs_host_work_is_the_xla_call_and_a_handful_of_nodes():
     around = {name: kind for name, kind in types.items()
               if kind not in ("VarHandleOp", "StatefulPartitionedCall")
               and "/steps_per_run" not in name}
-    assert sorted(around.values()) == ["Assert", "Const", "Const", "Const", "Equal", "Identity",
-                                     "Slice"], around
+    assert sorted(around.values()) == ["Assert", "AssignVariableOp", "Const", "Const", "Const",
+                                     "Equal", "Identity", "Slice"], around
     run_length = sorted(kind for name, kind in types.items() if "/steps_per_run" in name)
     assert run_length == ["Const", "Const", "LookupTableFindV2", "MutableHashTableV2"], run_length
 

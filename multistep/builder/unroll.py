@@ -32,8 +32,8 @@ from multistep.compiler import xla as xla_lib
 from multistep.builder import lint
 from multistep.compiler.compile import (GraphTooLargeError, build, check_graph_size,
                                         make_run_length, positive_int, set_steps_per_run)
-from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, callable_for,
-                                     exhausted_message)
+from multistep.compiler.runs import (PLAIN_SESSIONS, InputExhaustedError, StepFailedError,
+                                     callable_for, exhausted_message)
 from multistep.builder import phases as phases_lib
 from multistep.builder import step as step_lib
 from multistep.builder.checks import RECORDS
@@ -101,6 +101,7 @@ class Unrolled:
     carry_in: object = None
     _batches_first: bool = dataclasses.field(default=False, repr=False)  # a run's batches taken first
     _kept_losses: object = dataclasses.field(default=None, repr=False)  # loop mode over an iterator
+    _halt_losses: object = dataclasses.field(default=None, repr=False)  # XLA, nonfinite="raise"
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)  # session -> callable
 
@@ -139,7 +140,12 @@ class Unrolled:
                      or step_lib.halt_message(self.name, self.var_list, error.message))
             if named is None:
                 raise
-            raise type(error)(error.node_def, error.op, named) from error
+            halted = re.match(rf"{re.escape(self.name)}: inner step (\d+) ", named)
+            if self._halt_losses is None or halted is None:
+                raise type(error)(error.node_def, error.op, named) from error
+            losses = session.run(self._halt_losses)[:int(halted.group(1)) - 1]
+            raise StepFailedError(named + " (their losses: this error's .values)", error,
+                                  losses) from error
 
     def _first_compiled_run(self, call):
         """The first run of many unrolled XLA steps, timed: its compile grows with N."""
@@ -438,6 +444,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 tf.nest.flatten(carry_in), tf.nest.flatten(step.initial_carry),
                 tf.nest.flatten(step.next_carry))}
 
+        halted = {}  # XLA, nonfinite="raise": {"losses": the variable a run keeps them in}
+
         def program(mode, xla, form, find=lambda x: x, run_length=None):
             """(the outputs' keys, ``_compiled`` of ``form``, (outputs, end, halt), in
             ``mode``); ``find``: a tensor's copy in the graph it is built in (auto's
@@ -451,10 +459,18 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     [tf.constant(0)] if looped else [tf.constant(True), tf.constant([0, 0, 0])],
                     map(find, halt["out"]))))
 
-            def finish(end, carried):  # after an XLA program: raise if a step halted it
-                made = None if not looped else (  # (the loop's steps: its first output)
+            def finish(end, carried, fetched):  # after an XLA program: raise if a step
+                made = None if not looped else (  # halted it (the loop's steps: its first
                     end.outputs[0] if mode == "while_loop" and steps > 1 else tf.constant([1]))
+                losses = fetched[keys.index("loss")]  # (all entries: chunks of CHUNK steps)
+                with tf.control_dependencies(None):  # (never initialised: each run sets it)
+                    kept = tf.compat.v1.Variable(tf.zeros(losses.shape, losses.dtype),
+                                                 trainable=False, use_resource=True,
+                                                 collections=[], name="halt_losses")
+                halted["losses"] = kept  # (the losses of the steps a halted run applied)
                 with tf.control_dependencies([end]):
+                    keep = kept.assign(losses, read_value=False)
+                with tf.control_dependencies([end, keep]):
                     return step_lib.raise_if_halted(carried[-len(halt["in"]):], step.var_list,
                                                     label, made)
             if mode == "while_loop" and run_length is None:
@@ -513,7 +529,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                     global_step=step.global_step, skipped_steps=step.skipped,
                     steps_per_run=run_length.read if run_length else None,
                     mode=mode + ("+xla" if xla else ""), why=why, _run_length=run_length,
-                    _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")))
+                    _kept_losses=(getattr(compiled, "partial", None) or {}).get(keys.index("loss")),
+                    _halt_losses=halted.get("losses"))
 
 
 def _timed(step, graph, form, steps, label, program):

@@ -173,6 +173,7 @@ class Compiled:
     _loss_index: object = dataclasses.field(default=None, repr=False)  # the loss's, in _roots
     _dynamic: dict = dataclasses.field(default_factory=dict, repr=False)  # id: static shape
     _partial: dict = dataclasses.field(default_factory=dict, repr=False)  # id: steps' values
+    _started: object = dataclasses.field(default=None, repr=False)  # global step at run start
     _callables: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary,
                                            repr=False, compare=False)
 
@@ -300,6 +301,35 @@ def _refuse_one_step_hooks(program, session):
             f"{program.name} makes up to {program.steps} steps, so it would stop up to a run "
             f"late. Use ms.hooks.StopAtStepHook(fused, last_step=...) in its place (fused: "
             f"this program): it shortens the last run to stop exactly.")
+    for hook in hooks:
+        fed = sorted(_fed_placeholders(program, hook))
+        if fed:
+            raise ValueError(
+                f"{program.name}: the session runs TensorFlow's {type(hook).__name__}, which "
+                f"fetches the original step's tensors: they read placeholder(s) "
+                f"{graph_lib.named_few(map(repr, fed))}, which a run of {program.name} feeds "
+                f"per step under its own inputs, so the hook's fetch would fail (\"You must "
+                f"feed a value for placeholder\") or run the original step beside the "
+                f"compiled one. Give the hook the compiled per-step values: "
+                f"NanTensorHook(tf.reduce_sum(fused.losses)) (a NaN in any step makes the "
+                f"sum NaN), LoggingTensorHook({{'loss': fused.losses}}).")
+
+
+def _fed_placeholders(program, hook):
+    """The names of the placeholders ``program`` feeds per step (a run feeds their
+    ``[N, ...]`` values to its own inputs) that ``hook`` (a ``NanTensorHook`` or
+    ``LoggingTensorHook`` of TensorFlow's) reads through its tensors."""
+    if isinstance(hook, tf.compat.v1.train.NanTensorHook):
+        tensors = [hook._loss_tensor]  # noqa: SLF001
+    elif isinstance(hook, tf.compat.v1.train.LoggingTensorHook):
+        tensors = list(getattr(hook, "_tensors", {}).values())
+    else:
+        return set()
+    graph = program.train_op.graph
+    ops = [graph.as_graph_element(t).op if isinstance(t, str) else getattr(t, "op", t)
+           for t in tensors]
+    per_step = {original.op.name for original, _ in program._by_name.values()}  # noqa: SLF001
+    return {op.name for op in graph_lib.ancestors(ops) if op.name in per_step}
 
 
 def compile(fetches, steps, *, feeds=None, carry=None, mode="while_loop", xla=False,  # noqa: A001
@@ -399,12 +429,17 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
                 f"nothing. Key carry= by the tensor the step reads as its initial state (an "
                 f"RNN's initial_state placeholder or cell.zero_state's tensor).")
     with tf.name_scope(name) as scope:
+        wires = tripwires_lib.Tripwires(graph, scope.rstrip("/")) if tripwires else None
+        started = None if xla else _global_step_at_start(graph, roots)
+        before = [op for op in (wires and wires.check, started and started[1]) if op]
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
-                      dynamic=frozenset() if xla else _dynamic(fetches, roots))
+                      dynamic=frozenset() if xla else _dynamic(fetches, roots),
+                      before=tf.group(before) if len(before) > 1 else
+                      before[0] if before else None)
     if built.program is not None:
         xla_lib.warn_random_under_xla(built.program, name=built.label)
-    if tripwires:
-        tripwires_lib.guard(built.copied, built.label)
+    if wires is not None:
+        wires.guard(built.copied)
     structured = _structured(fetches, built.values)
     loss = _loss(fetches, roots)
     return Compiled(
@@ -427,7 +462,25 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
         _roots=tuple(roots), _loss_index=loss,
         _dynamic={id(v): roots[j].shape.as_list() for j, v in enumerate(built.values)
                   if isinstance(v, tf.RaggedTensor)},
-        _partial={id(built.values[j]): read for j, read in (built.partial or {}).items()})
+        _partial={id(built.values[j]): read for j, read in (built.partial or {}).items()},
+        _started=started and started[0])
+
+
+def _global_step_at_start(graph, roots):
+    """For a step with a check that can fail at any step (an ``Assert``, a
+    ``check_numerics``) and a global step: (a variable, the op that sets it to the global
+    step as a run starts), so that ``StepFailedError`` can say whether the failing step's
+    own updates ran (a check guards only what reads its output, as in a single step);
+    else None."""
+    step = graph_lib.global_step_variable(graph)
+    if step is None or not any(op.type in _CHECKS for op in graph_lib.ancestors(
+            [getattr(r, "op", r) for r in roots])):
+        return None
+    with tf.control_dependencies(None):
+        started = tf.compat.v1.Variable(  # (never initialised: each run sets it first)
+            tf.zeros([], step.dtype.base_dtype), trainable=False, use_resource=True,
+            collections=[], name="global_step_at_start")
+        return started, started.assign(tf.identity(step), read_value=False)
 
 
 # A step that hands its gradients to an accumulator another run takes them from
@@ -538,7 +591,7 @@ Built = collections.namedtuple("Built", "values train_op run_length inputs carri
 
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
           done=None, xla=False, strip=None, random="refuse", finish=None, stop=None,
-          dynamic=frozenset()):
+          dynamic=frozenset(), before=None):
     """The compiler proper, in the current name scope ``label``: ``roots`` (ops and
     tensors) run ``steps`` times, ``mode`` ``"unrolled"`` or ``"while_loop"``.
 
@@ -554,11 +607,13 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     ``random``: ``"refuse"`` (``ms.compile``'s: refuse stateful random ops in unrolled
     mode, warn of them in loop mode and under XLA) or ``"warn"`` (``ms.unroll``'s, which
     warns itself).
-    ``finish(end, carried)``: the op that ends the run, given the end of its last step and
-    each link's value after it; ``stop``: an int link's placeholder, after whose step a loop
+    ``finish(end, carried, fetched)``: under XLA, the op that ends the run, given the end
+    of its last step, each link's value after it and each root's values (all ``steps``
+    entries; None for an op); ``stop``: an int link's placeholder, after whose step a loop
     stops once its value is not 0 (a halt). ``dynamic``: the indices of tensor roots whose
     shape can differ from step to step (a short final batch): their values are a
     ``RaggedTensor`` ``[N, (d1), ...]`` (not under XLA, where shapes are static).
+    ``before``: an op the first step waits on (``ms.compile``'s tripwire check).
 
     ``Built.partial``: in loop mode with ``done``, {index of a tensor root of static
     shape: a read of the ``[steps, ...]`` variable each step writes its value into
@@ -654,12 +709,14 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     program = None
     if not xla:
         values, end, carried = core(template, roots, batches, links, count, steps, label,
-                                    done, dynamic=dynamic, partial=partial, stop=stop)
+                                    done, dynamic=dynamic, partial=partial, stop=stop,
+                                    before=before)
     else:
         program = tf.function(lambda: _program_body(core, template, roots, batches,
                                                     links, count, steps, label, done, stop),
                               jit_compile=True, autograph=False)
-        outputs = program()
+        with tf.control_dependencies([] if before is None else [before]):
+            outputs = program()
     if xla:
         program = program.get_concrete_function().graph
         why = xla_lib.uncompilable(program)
@@ -676,7 +733,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
         values = lambda: [None if v is None else _first(v, done, f"values_{j}")  # noqa: E731
                           for j, v in enumerate(fetched)]
     if finish is not None:
-        end = finish(end, carried)
+        end = finish(end, carried, fetched)
     with tf.control_dependencies([end]):
         train_op = tf.no_op(name="train")
     with tf.control_dependencies([train_op]):
@@ -732,9 +789,9 @@ def _graph_element(graph, item, index):
 
 
 def _unrolled(template, roots, batches, links, count, steps, label, done, static=False,
-              dynamic=frozenset(), partial=None, stop=None):
-    """N copies, each after the one before; returns (a builder of the values, the last
-    copy's end, each link's value after the last copy)."""
+              dynamic=frozenset(), partial=None, stop=None, before=None):
+    """N copies, each after the one before (the first after ``before``); returns (a
+    builder of the values, the last copy's end, each link's value after the last copy)."""
     del count, done, static, partial, stop  # (every run makes ``steps`` steps)
     prefixes = [f"{label}/step_{k + 1}" for k in range(steps)]
     slices = [step_inputs(batches, k, template, prefixes[k]) for k in range(steps)]
@@ -742,7 +799,7 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
         for placeholder, (first, following) in links.items():
             slices[k][placeholder] = first if k == 0 else (
                 template.rename(following.name, prefixes[k - 1]))
-    copies, ends = import_copies(template, [(prefixes[k], slices[k], "previous" if k else None)
+    copies, ends = import_copies(template, [(prefixes[k], slices[k], "previous" if k else before)
                                       for k in range(steps)], roots)
     per_step = [fetched_in(c, roots, lambda root, k=k: slices[k].get(root, root))
                 for k, c in enumerate(copies)]
@@ -769,7 +826,7 @@ def _unrolled(template, roots, batches, links, count, steps, label, done, static
 
 
 def _while_loop(template, roots, batches, links, count, steps, label, done, static=False,
-                dynamic=frozenset(), partial=None, stop=None):
+                dynamic=frozenset(), partial=None, stop=None, before=None):
     """One copy as the body of a loop run ``count`` (<= ``steps``) times; returns (a
     builder of the values, the loop's end, each link's value after the last step).
     ``static``: the per-step values in arrays of ``steps`` entries, of which the host
@@ -818,6 +875,7 @@ def _while_loop(template, roots, batches, links, count, steps, label, done, stat
     start = [] if done is None else [done.assign(0, read_value=False)]
     start += [v.assign(v.initial_value, read_value=False)  # (never initialised: each run
               for v in kept.values()]  # sets it first)
+    start += [] if before is None else [before]  # (the steps wait on the loop's counter)
     with tf.control_dependencies(start):
         zero = tf.identity(0) if start else tf.constant(0)
     chunked = static and steps > CHUNK

@@ -15,15 +15,23 @@ import tensorflow as tf
 
 from multistep import graph as graph_lib
 
-__all__ = ["every"]
+__all__ = ["EVERY", "every"]
+
+EVERY = "multistep_every"  # the graph collection of every's conds (verify names them)
 
 
-def every(k, fn, *, after, global_step=None, name="every"):
-    """Runs ``fn``'s ops after ``after`` in each step whose global step is a multiple of ``k``.
+def every(k, fn, *, after=None, before=None, global_step=None, name="every"):
+    """Runs ``fn``'s ops after ``after`` in each step whose global step is a multiple of
+    ``k``; or, given ``before`` instead, before the step ``before`` ends.
 
     The in-graph form of a loop's ``sess.run(train); if global_step % k == 0:
     sess.run(ops)``. Fetch what it returns with the train op (in the single step and in
-    ``ms.compile``'s fetches), and drop the Python ``if``.
+    ``ms.compile``'s fetches), and drop the Python ``if``. With ``before=train_op``, the
+    form of ``if global_step % k == 0: sess.run(ops)`` *above* ``sess.run(train)`` (a
+    DQN that copies its target network when its counter is 0, then trains): the global
+    step is read before the step, and the step's reads of state wait for ``fn``'s ops, so
+    the step trains on what they wrote. The train op then runs them itself: no fetch
+    needed.
 
     Args:
       k: the period, an int >= 1.
@@ -32,8 +40,9 @@ def every(k, fn, *, after, global_step=None, name="every"):
         when the branch does.
       after: the op (or tensor) the step ends with, usually the train op: ``fn``'s ops
         run after it and read what it wrote.
+      before: instead of ``after``: the train op, whose step runs ``fn``'s ops first.
       global_step: the step counter (default: the graph's global step), read after
-        ``after``.
+        ``after`` (before the step, with ``before``).
       name: the name scope.
 
     Returns:
@@ -64,20 +73,40 @@ def every(k, fn, *, after, global_step=None, name="every"):
     if step is None:
         raise ValueError("ms.every: no global step to count by: build it "
                          "(tf.compat.v1.train.get_or_create_global_step()) or pass global_step=.")
-    after = getattr(after, "op", after)
-    if not isinstance(after, tf.Operation):
-        raise TypeError(f"ms.every: after must be the step's train op, got {after!r}.")
-    if after.graph is not graph:
-        raise ValueError(f"ms.every: after, {after.name!r}, is an op of another graph than the "
+    if (after is None) == (before is None):
+        raise TypeError("ms.every: give after= (run fn's ops after the train op) or before= "
+                        "(before the step the train op ends), one of them.")
+    where = "after" if after is not None else "before"
+    op = getattr(after if after is not None else before, "op", after or before)
+    if not isinstance(op, tf.Operation):
+        raise TypeError(f"ms.every: {where} must be the step's train op, got {op!r}.")
+    if op.graph is not graph:
+        raise ValueError(f"ms.every: {where}, {op.name!r}, is an op of another graph than the "
                          f"default graph the ops are built in; build them in its graph "
-                         f"(with after.graph.as_default():).")
+                         f"(with {where}.graph.as_default():).")
 
     def run():
         ops = [getattr(op, "op", op) for op in tf.nest.flatten(fn())]
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
-    with tf.name_scope(name), tf.control_dependencies([after]):
+    with tf.name_scope(name), tf.control_dependencies([] if before is not None else [op]):
         now = tf.identity(step.read_value() if hasattr(step, "read_value") else step)
         due = tf.equal(now % tf.cast(k, now.dtype), 0)
-        return tf.cond(due, run, lambda: tf.constant(False), name="cond")
+        ran = tf.cond(due, run, lambda: tf.constant(False), name="cond")
+    graph.add_to_collection(EVERY, ran.op)
+    if before is not None:
+        _first(ran.op, op)
+    return ran
+
+
+def _first(ran, train):
+    """Orders ``ran`` before every op of ``train``'s step that reads or writes state
+    (a variable's read, an apply, a cond or call given a variable), outside control flow
+    (an op inside a v1 cond or loop gets its state through one of those)."""
+    for op in graph_lib.ancestors([train]):
+        if op is ran or op._get_control_flow_context() is not None:  # noqa: SLF001
+            continue
+        if op is train or any(t.dtype == tf.resource or t.dtype._is_ref_dtype  # noqa: SLF001
+                               for t in op.inputs):
+            op._add_control_input(ran)  # noqa: SLF001

@@ -38,9 +38,16 @@ class StepFailedError(tf.errors.InvalidArgumentError):
 def failed_message(program, session, error, values):
     """``StepFailedError``'s message: TensorFlow's, then the steps the run applied."""
     applied, length = session.run([program._run_length.done, program._run_length.read])
+    also = ""
+    if program._started is not None and program.global_step is not None:  # noqa: SLF001
+        now, started = session.run([program.global_step, program._started])  # noqa: SLF001
+        if now - started != applied * (program.step_increment or 1):
+            also = (f"; and step {applied + 1}'s own updates ran, which its failing check "
+                    f"does not guard (nor does it in a single step): the global step moved "
+                    f"by {now - started} in this run, to {now}")
     return (f"{error.message}\n{program.name}: the run failed at its step {applied + 1}: the "
             f"first {applied} of its {length} steps were applied"
-            + ("" if values is None else " (their values: this error's .values)") + ".")
+            + ("" if values is None else " (their values: this error's .values)") + also + ".")
 
 
 def exhausted_message(program, session, error):

@@ -213,7 +213,8 @@ class _Engine:
             if op not in self.warned:
                 self.warned.add(op)
                 label, effect = self.guarded[op]
-                warnings.warn(tripwires_lib.ran_message(label, op.name, op.type, effect)
+                what = [f"'{op.name}' ({op.type})"]
+                warnings.warn(tripwires_lib.ran_message(label, what, effect)
                               + f" (the run at {cause.rpartition(' at ')[2]})",
                               tripwires_lib.OriginalOpRanWarning,
                               stacklevel=graph_lib.user_stacklevel())

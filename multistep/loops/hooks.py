@@ -374,7 +374,9 @@ class StepSummaryHook(_EveryNStepsHook):
     ``SummarySaverHook(save_steps=every_n_steps)`` writes a single step's
     ``tf.compat.v1.summary.scalar("loss", loss)``: at the first step of the session,
     then every ``every_n_steps`` steps after the last one written. The values come
-    from the ``[n]`` vectors the run returns: no extra ``sess.run``. Writes through
+    from the ``[n]`` vectors the run returns: no extra ``sess.run``. A run whose input
+    runs out midway has its applied steps' losses written at ``end`` where the program
+    keeps them (loop mode), else a warning says they are not. Writes through
     ``tf.compat.v1.summary.FileWriterCache`` (the writer the checkpoint and step
     counter hooks share for the same directory).
     """
@@ -387,6 +389,16 @@ class StepSummaryHook(_EveryNStepsHook):
         self._runs.fetch_summaries()
         self._output_dir = output_dir
         self._writer = None
+        self._pending = False  # a training run that has not returned
+
+    def before_run(self, run_context):
+        args = super().before_run(run_context)
+        self._pending = args is not None
+        return args
+
+    def after_run(self, run_context, run_values):
+        self._pending = False
+        super().after_run(run_context, run_values)
 
     def begin(self):
         super().begin()
@@ -403,7 +415,30 @@ class StepSummaryHook(_EveryNStepsHook):
         self._writer.flush()
 
     def end(self, session):
+        if self._pending:  # the input ran out during the last run
+            self._cut_short(session)
         self._writer.flush()
+
+    def _cut_short(self, session):
+        """Writes the losses of the steps a run cut short by its input applied, where
+        the program keeps them (loop mode: ``ms.compile``'s, ``ms.unroll``'s over an
+        iterator); else says they are not written."""
+        unrolled, before = self._runs.unrolled, self._runs._before  # noqa: SLF001
+        run_length = unrolled._run_length  # noqa: SLF001
+        kept = (unrolled._partial.get(id(unrolled.losses))  # noqa: SLF001
+                if isinstance(unrolled, Compiled) else unrolled._kept_losses)  # noqa: SLF001
+        if kept is None or before is None or run_length is None or run_length.done is None:
+            logging.warning(
+                "StepSummaryHook: the input ran out during a run of %s, and the summaries of "
+                "the steps it applied are not written: the program keeps no values of a "
+                "run cut short (loop mode does: ms.compile's, or ms.unroll's over a tf.data "
+                "iterator).", unrolled.name)
+            return
+        applied, losses = session.run([run_length.done, kept])
+        increment = getattr(unrolled, "step_increment", 1) or 1
+        steps = [before + increment * (k + 1) for k in range(applied)]
+        for k in self._timer.select(steps):
+            self._emit(steps[k], {"loss": losses[k]})
 
 
 class LoggingHook(_EveryNStepsHook):
