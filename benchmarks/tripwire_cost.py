@@ -98,9 +98,9 @@ def _timed(runs, rounds, calls):
     return times
 
 
-def _report(times, what, base, other):
+def _report(times, base, other):
     for name, t in times.items():
-        print(f"{name:<32} {statistics.median(t):8.1f} µs {what}")
+        print(f"{name:<32} {statistics.median(t):8.1f} µs")
     ratio = statistics.median(o / b for b, o in zip(times[base], times[other]))
     print(f"{other} / {base}: {ratio:.3f}x (median of the rounds' own ratios)\n")
 
@@ -114,14 +114,14 @@ def main():
     print(f"a sess.run of the original step (median of {args.rounds} rounds):")
     times = _timed({"as written": build(False), "after ms.compile": build(True)},
                    args.rounds, args.calls)
-    _report(times, "", "as written", "after ms.compile")
+    _report(times, "as written", "after ms.compile")
     for model in ("cifar", "blobs"):
         print(f"a run of the 3-step compiled program, {model} (median of {args.rounds} "
               f"rounds):")
         times = _timed({"without tripwires": build("program", model, tripwires=False),
                         "with tripwires (ms.compile)": build("program", model)},
                        args.rounds, args.calls)
-        _report(times, "", "without tripwires", "with tripwires (ms.compile)")
+        _report(times, "without tripwires", "with tripwires (ms.compile)")
 
 
 if __name__ == "__main__":

@@ -430,7 +430,8 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
                 f"RNN's initial_state placeholder or cell.zero_state's tensor).")
     with tf.name_scope(name) as scope:
         wires = tripwires_lib.Tripwires(graph, scope.rstrip("/")) if tripwires else None
-        started = None if xla else _global_step_at_start(graph, roots)
+        started = (_global_step_at_start(graph, roots) if mode == "while_loop" and not xla
+                   else None)  # (where StepFailedError counts the steps a run applied)
         before = [op for op in (wires and wires.check, started and started[1]) if op]
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
                       dynamic=frozenset() if xla else _dynamic(fetches, roots),

@@ -77,7 +77,8 @@ def every(k, fn, *, after=None, before=None, global_step=None, name="every"):
         raise TypeError("ms.every: give after= (run fn's ops after the train op) or before= "
                         "(before the step the train op ends), one of them.")
     where = "after" if after is not None else "before"
-    op = getattr(after if after is not None else before, "op", after or before)
+    target = after if after is not None else before  # (no `or`: a tensor has no bool)
+    op = getattr(target, "op", target)
     if not isinstance(op, tf.Operation):
         raise TypeError(f"ms.every: {where} must be the step's train op, got {op!r}.")
     if op.graph is not graph:
@@ -103,9 +104,11 @@ def every(k, fn, *, after=None, before=None, global_step=None, name="every"):
 def _first(ran, train):
     """Orders ``ran`` before every op of ``train``'s step that reads or writes state
     (a variable's read, an apply, a cond or call given a variable), outside control flow
-    (an op inside a v1 cond or loop gets its state through one of those)."""
+    (an op inside a v1 cond or loop gets its state through one of those); not one that
+    ``ran`` itself reads (``fn`` built on a tensor of the step): that would be a cycle."""
+    feeding = graph_lib.ancestors([ran])
     for op in graph_lib.ancestors([train]):
-        if op is ran or op._get_control_flow_context() is not None:  # noqa: SLF001
+        if op in feeding or op._get_control_flow_context() is not None:  # noqa: SLF001
             continue
         if op is train or any(t.dtype == tf.resource or t.dtype._is_ref_dtype  # noqa: SLF001
                                for t in op.inputs):
