@@ -406,7 +406,8 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
             raise ValueError(f"ms.compile: fetch {root.name!r} is not in the default graph.")
     if mode == "auto":
         mode = "while_loop"
-    _refuse_accumulated(roots)
+    reached = graph_lib.ancestors([getattr(r, "op", r) for r in roots])  # the step's ops
+    _refuse_accumulated(reached)
     if xla and any(isinstance(item, tf.SparseTensor) for item in tf.nest.flatten(fetches)):
         raise ValueError(
             "ms.compile: xla=True cannot fetch a tf.SparseTensor: its entry count differs "
@@ -420,7 +421,6 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
             "Adam differed). Use mode='while_loop' with xla=True: bitwise, one body.")
     links = _links(graph, carry)
     if links:
-        reached = graph_lib.ancestors([getattr(r, "op", r) for r in roots])
         unread = [a.name for a in links if a.op not in reached]
         if unread:
             raise ValueError(
@@ -430,7 +430,7 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
                 f"RNN's initial_state placeholder or cell.zero_state's tensor).")
     with tf.name_scope(name) as scope:
         wires = tripwires_lib.Tripwires(graph, scope.rstrip("/")) if tripwires else None
-        started = (_global_step_at_start(graph, roots) if mode == "while_loop" and not xla
+        started = (_global_step_at_start(graph, reached) if mode == "while_loop" and not xla
                    else None)  # (where StepFailedError counts the steps a run applied)
         before = [op for op in (wires and wires.check, started and started[1]) if op]
         built = build(roots, steps, scope.rstrip("/"), mode, feeds=feeds, xla=xla, links=links,
@@ -467,15 +467,14 @@ def compile_program(fetches, steps, *, feeds=None, carry=None, mode="while_loop"
         _started=started and started[0])
 
 
-def _global_step_at_start(graph, roots):
-    """For a step with a check that can fail at any step (an ``Assert``, a
-    ``check_numerics``) and a global step: (a variable, the op that sets it to the global
+def _global_step_at_start(graph, step_ops):
+    """For a step (``step_ops``: its ops) with a check that can fail at any step (an
+    ``Assert``, a ``check_numerics``) and a global step: (a variable, the op that sets it to the global
     step as a run starts), so that ``StepFailedError`` can say whether the failing step's
     own updates ran (a check guards only what reads its output, as in a single step);
     else None."""
     step = graph_lib.global_step_variable(graph)
-    if step is None or not any(op.type in _CHECKS for op in graph_lib.ancestors(
-            [getattr(r, "op", r) for r in roots])):
+    if step is None or not any(op.type in _CHECKS for op in step_ops):
         return None
     with tf.control_dependencies(None):
         started = tf.compat.v1.Variable(  # (never initialised: each run sets it first)
@@ -490,12 +489,11 @@ ACCUMULATING = ("AccumulatorApplyGradient", "ResourceAccumulatorApplyGradient",
                 "SparseAccumulatorApplyGradient")
 
 
-def _refuse_accumulated(roots):
-    """ValueError for a step whose gradients go to a ``ConditionalAccumulator`` that
+def _refuse_accumulated(step):
+    """ValueError for a step (``step``: its ops) whose gradients go to a ``ConditionalAccumulator`` that
     another run aggregates (``SyncReplicasOptimizer``): the step waits for a token that
     run puts back, so N steps in one run would wait on themselves (it hung). A step that
     takes the mean from its accumulator itself is a step like any other."""
-    step = graph_lib.ancestors([getattr(r, "op", r) for r in roots])
     taken = {op.inputs[0].op for op in step if op.type.endswith("AccumulatorTakeGradient")}
     found = [op for op in step if op.type in ACCUMULATING and op.inputs[0].op not in taken]
     if found:
