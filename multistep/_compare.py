@@ -111,6 +111,16 @@ class Report:
                      "steps, a learning-rate change) and ops it runs outside the fetches (a "
                      "hook's fetch of the original loss, an evaluation run): each runs once a "
                      "call of the compiled program, not once a step")
+            if self.random_ops and self.ok:
+                line += (f"\nrandom draws: the steps draw from stateful random ops "
+                         f"({', '.join(self.random_ops[:3])}"
+                         f"{', ...' if len(self.random_ops) > 3 else ''}), equal here where only "
+                         f"the steps run. A run of the original ops that draws (an "
+                         f"evaluation with dropout on, a VAE's sample) moves their stream, "
+                         f"and the compiled steps then differ from your loop's; "
+                         f"OriginalOpRanWarning says so at the next compiled run. Draw "
+                         f"statelessly (keyed on the global step), or evaluate with "
+                         f"training=False")
         if self.every:
             line += (f"\nms.every ops in the step ({', '.join(self.every)}) run in the "
                      f"reference too: they are compared with themselves, not with your "

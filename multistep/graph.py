@@ -22,6 +22,7 @@ from tensorflow.python.framework import op_def_registry
 __all__ = ["ALIAS_OPS", "CALL_OPS", "READ_OPS", "STATEFUL_RANDOM_OPS", "ancestors",
            "ancestors_postorder", "built_at", "called_functions", "captures", "data_preds",
            "global_step_variable", "is_stateful_random", "is_write", "named_few", "order_as_built",
+           "unordered_state_reads",
            "outer_function", "preds", "program_nodes", "random_in_functions", "read_of",
            "ref_variable_of", "source_op",
            "stateful_random_ops", "stateless_replacement", "user_stacklevel", "watched_variables",
@@ -122,6 +123,84 @@ def order_as_built(ops):
             missing = [b for b in before if b is not op and b not in op.control_inputs]
             if missing:
                 op._add_control_inputs(missing)  # noqa: SLF001 (TensorFlow's own auto_control_deps does this)
+
+
+def _is_state(tensor):
+    return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # noqa: SLF001
+
+
+_VARIABLE_OPS = frozenset({"VarHandleOp"}) | _REF_VARIABLE_OPS
+_BACK_EDGES = frozenset({"NextIteration", "RefNextIteration"})
+
+
+def unordered_state_reads(ops):
+    """The races among ``ops`` (a step's) that reach its variables: each ``(read, write,
+    variable op, a write the read goes to)`` where ``read`` reads a variable that ``write``
+    writes (an apply, an ``assign_add``) with no path between the two either way, and
+    ``read``'s value goes on, along data edges, into a write of a variable (an EMA's
+    shadow, a moving average). TensorFlow's executor runs such a pair in whichever order
+    it is ready in, run by run, so the state a single step leaves is not a function of
+    its inputs: the pre-2017 CIFAR-10 tutorial's EMA, grouped beside the apply instead of
+    after it. A read whose value only goes to a fetch (a summary of a weight), or only
+    orders other ops (a control edge), or ends in another kind of state whose use of it
+    the walk cannot judge (an accumulator's ``local_step``) is not one.
+
+    Reachability is kept as bitsets of variable writes per op (one bit a write, so a walk
+    is one pass forwards and one backwards, whatever the number of reads); a v1 loop's
+    back edges (``NextIteration``) are left out (its frame orders what is inside)."""
+    members = set(ops)
+    written, writes = {}, []  # variable op -> bits of the writes that write it
+    for op in ops:
+        if is_write(op) and source_op(op.inputs[0]).type in _VARIABLE_OPS:
+            source = source_op(op.inputs[0])
+            written[source] = written.get(source, 0) | 1 << len(writes)
+            writes.append(op)
+    if not writes:
+        return []
+    bit = {op: 1 << i for i, op in enumerate(writes)}
+    consumers = {op: [] for op in ops}  # along data and control edges
+    data_consumers = {op: set() for op in ops}
+    waiting = dict.fromkeys(ops, 0)
+    for op in ops:
+        for pred in preds(op):
+            if pred in members and pred.type not in _BACK_EDGES:
+                consumers[pred].append(op)
+                waiting[op] += 1
+        for pred in data_preds(op):
+            if pred in members and pred.type not in _BACK_EDGES:
+                data_consumers[pred].add(op)
+    order = [op for op in ops if not waiting[op]]  # a topological order (Kahn's)
+    for op in order:
+        for consumer in consumers[op]:
+            waiting[consumer] -= 1
+            if not waiting[consumer]:
+                order.append(consumer)
+    above = {}  # op -> the writes it depends on
+    for op in order:
+        mask = 0
+        for pred in preds(op):
+            if pred in above and pred.type not in _BACK_EDGES:
+                mask |= above[pred] | bit.get(pred, 0)
+        above[op] = mask
+    below, fed = {}, {}  # op -> the writes that depend on it; that its value goes into
+    for op in reversed(order):
+        below[op] = fed[op] = 0
+        for consumer in consumers[op]:
+            below[op] |= below.get(consumer, 0) | bit.get(consumer, 0)
+        for consumer in data_consumers[op]:
+            fed[op] |= fed.get(consumer, 0) | bit.get(consumer, 0)
+    races = []
+    for op in order:
+        if op in bit or op.type in ALIAS_OPS or op.type in _METADATA_OPS or not fed[op]:
+            continue
+        for tensor in op.inputs:
+            source = source_op(tensor)
+            unordered = written.get(source, 0) & ~(above[op] | below[op])
+            if unordered:
+                first = lambda mask: writes[(mask & -mask).bit_length() - 1]  # noqa: E731
+                races.append((op, first(unordered), source, first(fed[op])))
+                break
+    return races
 
 
 def ancestors(roots):

@@ -3,6 +3,8 @@ Errors page lists every refusal the library raises, their API reference names ev
 public name, their Command line page shows every subcommand's help, and the site builds
 in strict mode."""
 
+import glob
+import html as html_lib
 import importlib.util
 import os
 import re
@@ -227,6 +229,21 @@ def test_site_builds_in_strict_mode(tmp_path):
     with open(tmp_path / "site" / "api" / "compile" / "index.html", encoding="utf-8") as f:
         html = f.read()
     assert "fetches" in html and "feed_dict" in html  # ms.compile's docstring, rendered
+    # Issue 50: no code on the site scrolls sideways, the API pages' docstrings and
+    # signatures (wrapped by ruff, the docs extra's) included.
+    long = []
+    for path in glob.glob(str(tmp_path / "site" / "**" / "*.html"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            for pre in re.findall(r"<pre[^>]*>(.*?)</pre>", f.read(), re.S):
+                text = html_lib.unescape(re.sub(r"<[^>]+>", "", pre))
+                long += [(os.path.relpath(path, tmp_path), line) for line in text.splitlines()
+                         if len(line) > docs_pages.CODE_COLUMNS]
+    assert not long, long[:5]
+    # every Errors entry's anchor is an id on the page (a brace in a title breaks it)
+    with open(tmp_path / "site" / "errors" / "index.html", encoding="utf-8") as f:
+        ids = set(re.findall(r'id="([^"]+)"', f.read()))
+    anchors = re.findall(r"\{ #([\w-]+) \}$", docs_pages.read("docs/errors.md"), re.M)
+    assert len(anchors) > 100 and not [a for a in anchors if a not in ids]
     # Issue 50: the version on every page, from its one source, and the changelog there,
     # its newest release the version.
     import multistep
@@ -238,3 +255,35 @@ def test_site_builds_in_strict_mode(tmp_path):
         releases = re.findall(r"^## \[([\d.]+)\] - \d{4}-\d\d-\d\d$", f.read(), re.M)
     assert releases[0] == multistep.__version__, releases
     assert "Keep a Changelog" in changelog and f"{releases[-1]}" in changelog
+
+
+def _bench_rows(block):
+    """A ``multistep bench`` table's rows as {(N, method): the row's figures}, whichever
+    columns a page kept (a row's figures are its numbers, ratios and spreads in order)."""
+    rows = {}
+    for line in block.splitlines():
+        found = re.match(r"^\s*(?:blobs\s+)?(\d+)\s{2}(\S.*?)\s{2,}(\d.*)$", line)
+        if found:
+            key = (int(found.group(1)), found.group(2), "x" in found.group(3))
+            rows[key] = found.group(3).split()
+    return rows
+
+
+def test_choosing_guide_quotes_the_figures_of_the_run_it_shows():
+    """Issue 50: the speed figures in the Choosing guide's text are those of the table it
+    shows, and that table is the Benchmarks page's run (the same rows, the same figures)."""
+    guide = docs_pages.read("docs/guides/choosing.md")
+    section = guide[guide.index("## How much faster"):guide.index("What the measurements say")]
+    shown = next(b.code for b in docs_pages.blocks(section) if b.lang == "text")
+    run = next(b.code for b in docs_pages.blocks(docs_pages.read("docs/benchmarks.md"))
+               if b.lang == "text" and "multistep bench: blobs" in b.code)
+    shown_rows, run_rows = _bench_rows(shown), _bench_rows(run)
+    assert len(shown_rows) >= 18, shown_rows
+    for key, figures in shown_rows.items():
+        assert run_rows.get(key, [])[-len(figures):] == figures, (key, figures, run_rows.get(key))
+    prose = section[section.index("<!-- The figures quoted"):]
+    prose = re.sub(r"```.*?```", "", prose, flags=re.S)
+    quoted = re.findall(r"(\d+\.\d+)×", prose)
+    assert len(quoted) >= 8, quoted
+    table = {f for figures in shown_rows.values() for f in figures}
+    assert not [q for q in quoted if q + "x" not in table], quoted

@@ -619,3 +619,137 @@ def test_r6_15_a_run_cut_short_by_its_input_writes_its_applied_steps_summaries(t
     assert [step for step, _ in got] == [1, 2, 3, 4, 5], got
     assert np.array([v for _, v in got], np.float32).tobytes() == \
         np.array(want, np.float32).tobytes()
+
+
+def _ema_step(graph, use_resource, ordered):
+    """A step with an EMA of its weight, decay by the global step (num_updates=): after
+    the apply (``ordered``, the CIFAR-10 tutorial's form now), or grouped beside it (its
+    pre-2017 form: the EMA's reads and the apply's writes of the same variables unordered)."""
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer(),
+                            use_resource=use_resource)
+        step = v1.get_variable("global_step", [], tf.int64, v1.zeros_initializer(),
+                               trainable=False, use_resource=use_resource)
+        v1.add_to_collection(v1.GraphKeys.GLOBAL_STEP, step)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        ema = v1.train.ExponentialMovingAverage(0.9, num_updates=step)
+        if ordered:
+            with tf.control_dependencies([train]):
+                op = ema.apply([w])
+        else:
+            op = tf.group(train, ema.apply([w]))
+    return x, [w, ema.average(w), step], loss, op
+
+
+@pytest.mark.parametrize("use_resource,mode", [(False, "unrolled"), (True, "while_loop")])
+def test_r6_02_an_ema_unordered_against_the_apply_is_refused_and_its_fix_is_bitwise(
+        use_resource, mode):
+    # main: compiled without a word; verify said DIVERGED (or OK, run by run) naming nothing
+    graph = tf.Graph()
+    x, state, loss, op = _ema_step(graph, use_resource, ordered=False)
+    with graph.as_default(), pytest.raises(
+            ValueError, match=r"reads 'global_step' in 'ExponentialMovingAverage/num_updates"
+                              r".*no order against the step's write of it.*AssignMovingAvg"):
+        ms.compile([loss, op], steps=3, mode=mode)
+    written, graph = tf.Graph(), tf.Graph()  # the fix the message gives: the EMA after
+    px, pstate, ploss, pop = _ema_step(written, use_resource, ordered=True)
+    x, state, loss, op = _ema_step(graph, use_resource, ordered=True)
+    with graph.as_default():
+        fused = ms.compile([loss, op], steps=3, mode=mode)
+    data = np.random.RandomState(2).randn(6, 4, 3).astype(np.float32)
+    with v1.Session(graph=written) as plain, v1.Session(graph=graph) as sess:
+        for session, g in ((plain, written), (sess, graph)):
+            for variable in g.get_collection("variables"):  # in order: the shadow's
+                session.run(variable.initializer)  # initializer reads the weight's value
+        expected = [plain.run([ploss, pop], {px: data[k]})[0] for k in range(6)]
+        losses = np.concatenate([fused.run(sess, {x: data[3 * r:3 * r + 3]})[0]
+                                 for r in range(2)])
+        assert losses.tobytes() == np.array(expected).tobytes()
+        for got, want in zip(sess.run(state), plain.run(pstate)):
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+        assert sess.run(state[2]) == 6
+
+
+def test_r6_06_verify_refuses_the_racy_ema_and_names_draws_an_evaluation_would_move():
+    # main: verify said DIVERGED of the tutorial's pre-2017 EMA (or OK, run by run: the
+    # single steps themselves race), and OK of a step that draws with no word that an
+    # evaluation through the original random op moves the compiled steps' stream
+    def racy(steps):
+        x, _, loss, op = _ema_step(v1.get_default_graph(), True, ordered=False)
+        return ms.compile([loss, op], steps), {x: np.ones([4, 3], np.float32)}
+
+    with pytest.raises(ValueError, match="no order against the step's write"):
+        ms.verify(racy, steps=2, runs=1)
+
+    def drawing(steps):
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+        hidden = tf.nn.dropout(tf.matmul(x, w), rate=0.5)
+        loss = tf.reduce_mean(tf.square(hidden - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        return ms.compile([loss, train], steps), {x: np.ones([4, 3], np.float32)}
+
+    with pytest.warns(RuntimeWarning, match="stateful random ops"):
+        report = ms.verify(drawing, steps=2, runs=2)
+    assert report.ok and report.bitwise, report.summary()
+    assert "random draws: the steps draw from stateful random ops" in report.summary()
+    assert "dropout" in report.summary() and "OriginalOpRanWarning" in report.summary()
+
+
+def _kth_draw(op, k):
+    """The ``k``-th draw (from 0) of ``op``, a stateful ``RandomUniform``, made statelessly:
+    its kernel is a Philox generator keyed ``seed`` at counter ``[0, seed2]`` that skips
+    256 counters an element a call (``GuardedPhiloxRandom::ReserveRandomOutputs(n, 256)``)."""
+    count = int(np.prod(op.outputs[0].shape))
+    counter = tf.constant([k * count * 256, op.get_attr("seed2")], tf.uint64)
+    return tf.raw_ops.StatelessRandomUniformV2(
+        shape=op.outputs[0].shape, key=tf.constant([op.get_attr("seed")], tf.uint64),
+        counter=counter, alg=1, dtype=op.get_attr("dtype"))
+
+
+def test_r6_23_a_draw_of_the_original_op_is_one_a_shared_count_could_give_but_its_stream_is_private():
+    # Research, the answer this test holds: one stream for the original op and the loop's
+    # copy is possible in principle (a draw is a function of the op's seeds and how many
+    # draws came before, made bitwise by a stateless op: (1)), but the original kernel's
+    # position is its own: the copy's draws do not move it (2), and the original cannot
+    # be rewired to a shared count once a session has run the graph (3), which the
+    # deferred session's session has once it ran the initializer. So draws stay two
+    # streams, and an evaluation through the original op is warned, not made bitwise.
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        w = v1.get_variable("w", [4, 2], initializer=v1.ones_initializer())
+        hidden = tf.nn.dropout(tf.ones([5, 4]) @ w, rate=0.5)
+        loss = tf.reduce_mean(tf.square(hidden - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        draw = next(op for op in graph.get_operations() if op.type == "RandomUniform")
+        kth = [_kth_draw(draw, k) for k in range(8)]
+        with pytest.warns(RuntimeWarning, match="stateful random ops"):
+            fused = ms.compile([loss, train], steps=3)
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as plain:  # (1): the program as written draws kth
+        drawn = [plain.run(draw.outputs[0]) for _ in range(8)]
+        assert [d.tobytes() for d in drawn] == [d.tobytes() for d in plain.run(kth)]
+    with v1.Session(graph=graph) as sess:  # (2): as written, 3 steps then an evaluation
+        sess.run(init)  # draw the 4th and 8th; compiled, the evaluations draw the 1st, 2nd
+        fused.run(sess)
+        evaluations = [sess.run(draw.outputs[0])]
+        with pytest.warns(OriginalOpRanWarning):
+            fused.run(sess)  # warned here, at the compiled program's next run
+        evaluations.append(sess.run(draw.outputs[0]))
+        assert [e.tobytes() for e in evaluations] == [d.tobytes() for d in drawn[:2]]
+        assert drawn[1].tobytes() != drawn[7].tobytes()
+    with v1.Session(graph=graph) as sess:  # (3): a rewire after a run has no effect
+        sess.run(init)
+        sess.run(hidden)
+        with graph.as_default():
+            zeros = tf.zeros_like(draw.outputs[0])  # every unit dropped, were it read
+        consumer = next(iter(draw.outputs[0].consumers()))
+        consumer._update_input(list(consumer.inputs).index(draw.outputs[0]), zeros)  # noqa: SLF001
+        assert np.count_nonzero(sess.run(hidden)) > 0
+    with v1.Session(graph=graph) as fresh:  # ... where a session that had not run sees it
+        fresh.run(init)
+        assert np.count_nonzero(fresh.run(hidden)) == 0

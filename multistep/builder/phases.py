@@ -58,11 +58,13 @@ def phase(loss_fn, optimizer, *, var_list=None, name=None):
       >>> with tf.Graph().as_default():
       ...     a, b = tf.Variable(1.0), tf.Variable(2.0)
       ...     sgd = tf.compat.v1.train.GradientDescentOptimizer
-      ...     u = ms.unroll([ms.phase(lambda: a * b, sgd(0.5), var_list=[a], name="a"),
-      ...                    ms.phase(lambda: a * b, sgd(0.5), var_list=[b], name="b")], steps=2)
+      ...     phases = [ms.phase(lambda: a * b, sgd(0.5), var_list=[a], name="a"),
+      ...               ms.phase(lambda: a * b, sgd(0.5), var_list=[b], name="b")]
+      ...     u = ms.unroll(phases, steps=2)
       ...     with tf.compat.v1.Session() as sess:
       ...         sess.run(tf.compat.v1.global_variables_initializer())
-      ...         print(sess.run([u.records["loss/a"], u.records["loss/b"]]), *sess.run([a, b]))
+      ...         losses = sess.run([u.records["loss/a"], u.records["loss/b"]])
+      ...         print(losses, *sess.run([a, b]))
       [array([2., 0.], dtype=float32), array([ 0., -2.], dtype=float32)] -1.0 2.5
     """
     if not callable(loss_fn):

@@ -170,7 +170,8 @@ def momentum(momentum, *, use_nesterov=False):
       >>> import tensorflow as tf, multistep as ms
       >>> with tf.Graph().as_default():
       ...     w = tf.compat.v1.get_variable("w", initializer=[1.0])
-      ...     opt = ms.RuleOptimizer(ms.rules.momentum(0.9), learning_rate=0.1, slots=["momentum"])
+      ...     opt = ms.RuleOptimizer(ms.rules.momentum(0.9), learning_rate=0.1,
+      ...                            slots=["momentum"])
       ...     fused = ms.unroll(lambda: tf.reduce_sum(w * w), opt, 2)
       ...     with tf.compat.v1.Session() as sess:
       ...         sess.run(tf.compat.v1.global_variables_initializer())

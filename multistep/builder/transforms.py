@@ -81,7 +81,8 @@ def clip_by_value(lo, hi):
 
     Example:
       >>> import tensorflow as tf, multistep as ms
-      >>> [(g, _)] = ms.clip_by_value(-1.0, 1.0)([(tf.constant([-3.0, 0.5, 2.0]), None)], None)
+      >>> clip = ms.clip_by_value(-1.0, 1.0)
+      >>> [(g, _)] = clip([(tf.constant([-3.0, 0.5, 2.0]), None)], None)
       >>> g.numpy().tolist()
       [-1.0, 0.5, 1.0]
     """

@@ -323,7 +323,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
       >>> import tensorflow as tf, multistep as ms
       >>> with tf.Graph().as_default():
       ...     w = tf.Variable(1.0)
-      ...     u = ms.unroll(lambda: w * w, tf.compat.v1.train.GradientDescentOptimizer(0.25), 3)
+      ...     sgd = tf.compat.v1.train.GradientDescentOptimizer(0.25)
+      ...     u = ms.unroll(lambda: w * w, sgd, 3)
       ...     with tf.compat.v1.Session() as sess:
       ...         sess.run(tf.compat.v1.global_variables_initializer())
       ...         print(sess.run(u.losses), sess.run(w))

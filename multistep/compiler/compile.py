@@ -637,6 +637,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     fed = per_step_placeholders([p for p in placeholders if p not in internal], feeds)
     _refuse_ref_variables([op for op in ops if where[op] == "shared"], mode, xla, label)
     copied = [op for op in ops if where[op] == "copied"]
+    _refuse_races(copied, label)
     randoms = graph_lib.stateful_random_ops(copied)
     if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
@@ -1098,6 +1099,27 @@ def _summaries(fetches, roots, values):
     found = [v for v, f in zip(values, roots)
              if isinstance(f, tf.Tensor) and f.dtype == tf.string and f.op.type.endswith("Summary")]
     return found[0] if len(found) == 1 else None
+
+
+def _refuse_races(copied, label):
+    """Refuse a step whose state depends on which of two unordered ops runs first."""
+    races = graph_lib.unordered_state_reads(copied)
+    if not races:
+        return
+    read, write, variable, goes_to = races[0]
+    more = f" ({len(races) - 1} more such reads)" if len(races) > 1 else ""
+    raise ValueError(
+        f"{label}: the step reads {variable.name!r} in {read.name!r} ({read.type})"
+        f"{graph_lib.built_at(read)} with no order against the step's write of it in "
+        f"{write.name!r} ({write.type}){graph_lib.built_at(write)}, and the value read goes "
+        f"on to the step's state (through {goes_to.name!r}, {goes_to.type}){more}. "
+        f"TensorFlow runs two unordered ops in whichever order they are ready in, run by "
+        f"run, so single steps of this program do not leave the same state twice (an EMA "
+        f"grouped beside the apply instead of after it, as the pre-2017 CIFAR-10 tutorial "
+        f"built it), and no compiled program can promise to equal them. Order the read: "
+        f"build it under tf.control_dependencies([train_op]) (an EMA after the apply, as "
+        f"the tutorial does now), or build the apply under "
+        f"tf.control_dependencies([the read]).")
 
 
 def _refuse_ref_variables(shared, mode, xla, label):

@@ -5,17 +5,23 @@ run makes N steps (loop mode: ``unrolled.steps_per_run`` of them), so use these
 instead:
 
     TensorFlow's hook                 with an ms.unroll train op
-    StopAtStepHook(last_step=L)       ms.hooks.StopAtStepHook(unrolled, L): shortens the last run
+    StopAtStepHook(last_step=L)       ms.hooks.StopAtStepHook(unrolled, L): shortens
+                                      the last run
     StopAtStepHook(num_steps=S)       ms.hooks.StopAtStepHook(unrolled, num_steps=S)
-    SummarySaverHook(save_steps=S)    ms.hooks.StepSummaryHook(unrolled, dir, S): a point per step
-    LoggingTensorHook(every_n_iter=S) ms.hooks.LoggingHook(unrolled, S): a line per S steps
+    SummarySaverHook(save_steps=S)    ms.hooks.StepSummaryHook(unrolled, dir, S): a
+                                      point per step
+    LoggingTensorHook(every_n_iter=S) ms.hooks.LoggingHook(unrolled, S): a line per S
+                                      steps
     NanTensorHook(loss)               ms.hooks.NanHook(unrolled): checks the N losses
-    FinalOpsHook(final_ops)           ms.hooks.FinalOpsHook(unrolled, final_ops): unrolled.losses
-                                      as the last run left them (TensorFlow's would run N steps)
-    CheckpointSaverHook, StepCounterHook   ms.hooks.steps_per_run_aware(hook, unrolled)
-    (none)                            ms.hooks.AutoStepsHook(unrolled): chooses N between runs
-    (none)                            ms.hooks.InputExhaustedHook(unrolled): says where a
-                                      tf.data input ran out
+    FinalOpsHook(final_ops)           ms.hooks.FinalOpsHook(unrolled, final_ops):
+                                      unrolled.losses as the last run left them
+                                      (TensorFlow's would run N steps)
+    CheckpointSaverHook,              ms.hooks.steps_per_run_aware(hook, unrolled)
+      StepCounterHook
+    (none)                            ms.hooks.AutoStepsHook(unrolled): chooses N
+                                      between runs
+    (none)                            ms.hooks.InputExhaustedHook(unrolled): says where
+                                      a tf.data input ran out
 
 ``ms.hooks.monitored_training_session(unrolled, ...)`` builds a
 MonitoredTrainingSession with them in place of its own default hooks.

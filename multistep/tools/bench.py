@@ -570,7 +570,8 @@ def write_csv(rows, path):
 
 
 def plot(results, path):
-    """A PNG of µs/step against N per method and problem; None without matplotlib."""
+    """A PNG of µs/step against N per method and problem, the median of the repeats with
+    their spread (the interquartile range) as bars; None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -582,10 +583,13 @@ def plot(results, path):
     fig, axes = plt.subplots(1, len(problems), figsize=(6 * len(problems), 4.5), squeeze=False)
     for ax, problem in zip(axes[0], problems):
         for method in METHODS:
-            points = [(r.steps, r.median_us) for r in results
+            points = [r for r in results
                       if r.problem == problem and r.method == method and not np.isnan(r.median_us)]
             if points:
-                ax.plot(*zip(*points), marker="o", label=method)
+                ax.errorbar([r.steps for r in points], [r.median_us for r in points],
+                            yerr=[[r.median_us - r.low_us for r in points],
+                                  [r.high_us - r.median_us for r in points]],
+                            marker="o", capsize=3, label=method)
         ax.set(xscale="log", yscale="log", xlabel="N (steps per call)", ylabel="µs per step",
                title=problem)
         ax.grid(True, which="both", alpha=0.3)

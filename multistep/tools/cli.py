@@ -120,7 +120,9 @@ def _parser():
                        help="auto (default: while_loop, or unrolled where it is 1.25x "
                             "faster, measured), unrolled (N copies of the step) or while_loop "
                             "(one loop body, for large N)")
-    blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    blobs.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                       metavar="NAME", help="the tf.compat.v1.train optimizer (default sgd): "
+                                            + ", ".join(sorted(OPTIMIZERS)))
     blobs.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     blobs.add_argument("--seed", type=int, default=0, help="make_blobs random_state (default 0)")
     blobs.add_argument("--clip-value", type=_positive_float, metavar="C",
