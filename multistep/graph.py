@@ -125,10 +125,6 @@ def order_as_built(ops):
                 op._add_control_inputs(missing)  # noqa: SLF001 (TensorFlow's own auto_control_deps does this)
 
 
-def _is_state(tensor):
-    return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # noqa: SLF001
-
-
 _VARIABLE_OPS = frozenset({"VarHandleOp"}) | _REF_VARIABLE_OPS
 _BACK_EDGES = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -189,16 +185,19 @@ def unordered_state_reads(ops):
             below[op] |= below.get(consumer, 0) | bit.get(consumer, 0)
         for consumer in data_consumers[op]:
             fed[op] |= fed.get(consumer, 0) | bit.get(consumer, 0)
+    def first(mask):
+        return writes[(mask & -mask).bit_length() - 1]
+
     races = []
-    for op in order:
-        if op in bit or op.type in ALIAS_OPS or op.type in _METADATA_OPS or not fed[op]:
+    for op in order:  # a write reads what it writes from its other inputs (an Assign of
+        into = fed[op] | bit.get(op, 0)  # a ref variable takes the weight it copies)
+        if op.type in ALIAS_OPS or op.type in _METADATA_OPS or not into:
             continue
-        for tensor in op.inputs:
+        for tensor in op.inputs[1:] if op in bit else op.inputs:
             source = source_op(tensor)
             unordered = written.get(source, 0) & ~(above[op] | below[op])
             if unordered:
-                first = lambda mask: writes[(mask & -mask).bit_length() - 1]  # noqa: E731
-                races.append((op, first(unordered), source, first(fed[op])))
+                races.append((op, first(unordered), source, first(into)))
                 break
     return races
 

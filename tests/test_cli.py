@@ -1,5 +1,6 @@
 """The command line, run as a user runs it: in a subprocess."""
 
+import argparse
 import os
 import re
 import shutil
@@ -311,3 +312,15 @@ def test_bench_times_the_users_own_step(tmp_path):
     assert re.search(r"^while_loop +[\d.]+ +[\d.]+x$", result.stdout, re.MULTILINE), result.stdout
     assert "not timed: unrolled (an ms.compile program is timed as built)" in result.stdout
     assert "fusing this step gains" in result.stdout
+
+
+def test_every_option_has_help_text():
+    """Issue 50: each option of each subcommand says what it does in --help."""
+    from multistep.tools import cli
+
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {action.option_strings or action.dest}"
+            for name, sub in commands.choices.items() for action in sub._actions
+            if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert len(commands.choices) >= 5 and not bare, bare

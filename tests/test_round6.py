@@ -753,3 +753,24 @@ def test_r6_23_a_draw_of_the_original_op_is_one_a_shared_count_could_give_but_it
     with v1.Session(graph=graph) as fresh:  # ... where a session that had not run sees it
         fresh.run(init)
         assert np.count_nonzero(fresh.run(hidden)) == 0
+
+
+@pytest.mark.parametrize("use_resource,mode", [(False, "unrolled"), (True, "while_loop")])
+def test_r6_02_a_weight_copied_beside_its_apply_is_refused(use_resource, mode):
+    # a target network's copy grouped with the train op: the copy takes the weight before
+    # or after the apply, run by run (a ref variable's Assign reads it as its own input)
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        online = v1.get_variable("online", [3, 1], initializer=v1.ones_initializer(),
+                                 use_resource=use_resource)
+        target = v1.get_variable("target", [3, 1], initializer=v1.zeros_initializer(),
+                                 trainable=False, use_resource=use_resource)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, online) - 1.0))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        racy = tf.group(train, target.assign(online))
+        with pytest.raises(ValueError, match=r"reads 'online' in .* no order against the "
+                                             r"step's write of it in 'GradientDescent"):
+            ms.compile([loss, racy], steps=2, mode=mode)
+        with tf.control_dependencies([train]):  # ordered: compiles
+            ordered = target.assign(online)
+        ms.compile([loss, ordered], steps=2, mode=mode)
