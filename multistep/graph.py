@@ -145,39 +145,35 @@ def unordered_state_reads(ops):
     is one pass forwards and one backwards, whatever the number of reads); a v1 loop's
     back edges (``NextIteration``) are left out (its frame orders what is inside)."""
     members = set(ops)
-    written, writes = {}, []  # variable op -> bits of the writes that write it
+    writes, bit, written = [], {}, {}  # written: variable op -> its writes' bits
     for op in ops:
-        if is_write(op) and source_op(op.inputs[0]).type in _VARIABLE_OPS:
-            source = source_op(op.inputs[0])
-            written[source] = written.get(source, 0) | 1 << len(writes)
+        source = source_op(op.inputs[0]) if is_write(op) else None
+        if source is not None and source.type in _VARIABLE_OPS:
+            bit[op] = 1 << len(writes)
+            written[source] = written.get(source, 0) | bit[op]
             writes.append(op)
     if not writes:
         return []
-    bit = {op: 1 << i for i, op in enumerate(writes)}
+
+    def inside(op):  # an op's predecessors among ``ops``, a loop's back edges left out
+        return [pred for pred in preds(op) if pred in members and pred.type not in _BACK_EDGES]
+
+    order, seen = [], set()  # each op after its predecessors (not creation order: an
+    for op in ops:  # edge can be added to an op after it was built)
+        walk = ancestors_postorder(op, known=seen, preds=inside)
+        order += walk
+        seen.update(walk)
     consumers = {op: [] for op in ops}  # along data and control edges
     data_consumers = {op: set() for op in ops}
-    waiting = dict.fromkeys(ops, 0)
-    for op in ops:
-        for pred in preds(op):
-            if pred in members and pred.type not in _BACK_EDGES:
-                consumers[pred].append(op)
-                waiting[op] += 1
+    above = {}  # op -> the writes it depends on
+    for op in order:
+        above[op] = 0
+        for pred in inside(op):
+            consumers[pred].append(op)
+            above[op] |= above[pred] | bit.get(pred, 0)
         for pred in data_preds(op):
             if pred in members and pred.type not in _BACK_EDGES:
                 data_consumers[pred].add(op)
-    order = [op for op in ops if not waiting[op]]  # a topological order (Kahn's)
-    for op in order:
-        for consumer in consumers[op]:
-            waiting[consumer] -= 1
-            if not waiting[consumer]:
-                order.append(consumer)
-    above = {}  # op -> the writes it depends on
-    for op in order:
-        mask = 0
-        for pred in preds(op):
-            if pred in above and pred.type not in _BACK_EDGES:
-                mask |= above[pred] | bit.get(pred, 0)
-        above[op] = mask
     below, fed = {}, {}  # op -> the writes that depend on it; that its value goes into
     for op in reversed(order):
         below[op] = fed[op] = 0
@@ -185,6 +181,7 @@ def unordered_state_reads(ops):
             below[op] |= below.get(consumer, 0) | bit.get(consumer, 0)
         for consumer in data_consumers[op]:
             fed[op] |= fed.get(consumer, 0) | bit.get(consumer, 0)
+
     def first(mask):
         return writes[(mask & -mask).bit_length() - 1]
 
