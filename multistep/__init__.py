@@ -60,3 +60,9 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# Every tf.compat.v1 session made from now on is seen from its first run (no TensorFlow
+# import here: the hook waits for TensorFlow's session module if it has not loaded).
+from multistep import _session_hook  # noqa: E402
+
+_session_hook.install()

@@ -216,20 +216,26 @@ def test_another_threads_runs_pass_through_without_flushing():
     assert sess.report().runs == 1
 
 
-def test_an_evaluation_through_the_steps_random_op_is_warned():
+def test_an_evaluation_through_a_random_op_no_stream_shares_is_warned():
+    # tf.random.categorical (Multinomial: no stateless op continues its stream) keeps its
+    # kernel's own stream: an evaluation through it moves a stream the steps do not follow
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 3])
-        w = v1.get_variable("w", [3, 1])
-        drop = tf.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
-        loss = tf.reduce_mean(tf.square(drop))
+        w = v1.get_variable("w", [3, 2])
+        logits = tf.matmul(x, w)
+        sample = tf.random.categorical(logits, 1, seed=1)
+        picked = tf.gather(logits, sample[:, 0], batch_dims=1)
+        loss = tf.reduce_mean(tf.square(picked))
         train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
         init = v1.global_variables_initializer()
     sess = ms.deferred(v1.Session(graph=graph), steps=4)
     sess.run(init)
-    sess.run(train, {x: BATCH})
+    with pytest.warns(RuntimeWarning, match="Multinomial.*own stream .no stateless op"):
+        sess.run(train, {x: BATCH})
+        sess.flush()
     with pytest.warns(ms.compiler.tripwires.OriginalOpRanWarning, match="random stream"):
-        sess.run(loss, {x: BATCH})  # the original dropout: its stream moves
+        sess.run(loss, {x: BATCH})  # the original sampler: its stream moves
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sess.run(w)  # reads nothing the steps draw from: no warning
@@ -294,10 +300,16 @@ def test_multistep_verify_passes_on_the_script_and_names_a_planted_difference():
     ok = _multistep("verify", SCRIPTS / "train_loop.py", "--steps", 4, "--", 3)
     assert ok.returncode == 0 and "OK:" in ok.stdout, ok.stdout + ok.stderr[-2000:]
     # dropout_eval.py evaluates through the step's own dropout: its draws interleave with
-    # the steps' as written; deferred, the steps draw from the compiled program's copy.
-    planted = _multistep("verify", SCRIPTS / "dropout_eval.py", "--steps", 4)
+    # the steps' as written, and deferred too (one shared stream). (On the main before the
+    # shared streams: DIFFERENT.)
+    dropout = _multistep("verify", SCRIPTS / "dropout_eval.py", "--steps", 4)
+    assert dropout.returncode == 0 and "OK:" in dropout.stdout, dropout.stdout
+    # sample_eval.py's sampler (Multinomial) keeps its kernel's stream: found, its cause named
+    planted = _multistep("verify", SCRIPTS / "sample_eval.py", "--steps", 4)
     assert planted.returncode == 1, planted.stdout + planted.stderr[-2000:]
-    assert "DIFFERENT" in planted.stdout and "dropout_eval.py:" in planted.stdout
+    assert "DIFFERENT" in planted.stdout and "sample_eval.py:" in planted.stdout
+    assert "likely cause: the compiled steps copied 'categorical/Multinomial' (Multinomial)" \
+        in planted.stdout, planted.stdout
 
 
 def test_a_script_that_raises_keeps_its_error_and_exit_code_after_its_steps_ran():

@@ -13,6 +13,7 @@ import warnings
 
 import tensorflow as tf
 
+from multistep.compiler import streams as streams_lib
 from multistep.graph import (CALL_OPS, READ_OPS, ancestors_postorder, built_at, captures, named_few,
                              data_preds, preds, read_of, source_op, stateful_random_ops,
                              stateless_replacement, user_stacklevel)
@@ -167,14 +168,14 @@ def _stale_message(step, used, var, read_op, *, name, loop=False):
 
 
 def warn_stateful_random(step_root, *, name):
-    """Warn when ``step_root`` depends on stateful random ops (dropout, a candidate
-    sampler), naming them and the stateless replacement."""
+    """Warn when ``step_root`` depends on stateful random ops whose stream is not shared
+    (``multistep.compiler.streams``), naming them and why."""
     found = stateful_random_ops(ancestors_postorder(step_root))
     if found:
         warnings.warn(
-            f"{name}: loss_fn uses stateful random ops ({named_few(found)}); their draws depend on how many "
-            f"sess.run calls were made, so fused and single-step results will "
-            f"differ and ms.verify will fail. {stateless_replacement(found)}",
+            f"{name}: {streams_lib.unshared(step_root.graph, found)}: each copy restarts "
+            f"it, so the fused steps draw other numbers than single steps (ms.verify "
+            f"reports it). {stateless_replacement(found)}",
             RuntimeWarning, stacklevel=user_stacklevel())
 
 

@@ -28,6 +28,7 @@ import tensorflow as tf
 from multistep.builder import auto
 from multistep.builder import checks
 from multistep import graph as graph_lib
+from multistep.compiler import streams as streams_lib
 from multistep.compiler import xla as xla_lib
 from multistep.builder import lint
 from multistep.compiler.compile import (GraphTooLargeError, build, check_graph_size,
@@ -505,6 +506,8 @@ def unroll(loss_fn, optimizer=None, steps=None, *, var_list=None, inputs=None, g
                 f"or return the values with record= or through the loss.")
         if mode == "while_loop" and steps > 1:
             step_lib.check_capturable(step.state(), "mode='while_loop'", compiled=xla)
+        if not isinstance(graph, tf.__internal__.FuncGraph):
+            streams_lib.share(graph)  # (random ops no session holds: one stream each)
         if steps > 1 and (mode == "unrolled" or xla):  # (a loop body's one kernel draws
             lint.warn_stateful_random(end, name=label)  # the single steps' stream)
         if mode == "unrolled" and steps > 1:

@@ -28,6 +28,7 @@ from multistep import graph as graph_lib
 from multistep.compiler import xla as xla_lib
 from multistep.compiler import tripwires as tripwires_lib
 from multistep.compiler import kernels as kernels_lib
+from multistep.compiler import streams as streams_lib
 from multistep.compiler import feeds as feeds_lib
 from multistep.compiler.feeds import per_step_input, per_step_placeholders, prepared
 from multistep.compiler.copy import (MOST_KEYED_COPIES, fetched_in, import_copies, state_fetches,
@@ -628,6 +629,8 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
             f"fewer (a run of a million steps already makes the call's cost nothing).")
     internal = {t.op for t in list(given) + list(links)}
     graph = tf.compat.v1.get_default_graph()
+    if not isinstance(graph, tf.__internal__.FuncGraph):
+        streams_lib.share(graph)  # (random ops no session holds: one stream each)
     wires = set(graph.get_collection(tripwires_lib.TRIPWIRES))  # (an earlier compile's: not copied)
     ops = [op for op in _ancestors_in_order(
         [r if isinstance(r, tf.Operation) else r.op for r in roots]
@@ -638,33 +641,18 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     _refuse_ref_variables([op for op in ops if where[op] == "shared"], mode, xla, label)
     copied = [op for op in ops if where[op] == "copied"]
     _refuse_races(copied, label)
-    randoms = graph_lib.stateful_random_ops(copied)
+    randoms = graph_lib.stateful_random_ops(copied)  # (the ops whose stream is not shared)
     if mode == "unrolled" and steps > 1 and randoms and random == "refuse":
         raise ValueError(
-            f"ms.compile: the step draws with stateful random ops ({graph_lib.named_few(randoms)}); "
-            f"in mode='unrolled' each of the {steps} copies is a kernel of its own that "
-            f"restarts the op's stream, so the steps would draw other numbers than single "
-            f"steps do. Use mode='while_loop' (the default): the loop body holds one kernel, "
-            f"which draws the single steps' stream.")
-    if randoms and random == "refuse" and xla:
+            f"ms.compile: {streams_lib.unshared(graph, randoms)}: in mode='unrolled' each "
+            f"of the {steps} copies would restart its stream, so the steps would draw other "
+            f"numbers than single steps do. Use mode='while_loop' (the default).")
+    if randoms and random == "refuse" and (xla or mode == "while_loop"):
         warnings.warn(
-            f"{label}: xla=True over stateful random ops ({graph_lib.named_few(randoms)}): XLA draws "
-            f"them with a generator of its own, which follows neither TensorFlow's stream nor "
-            f"the seed from one run to the next, so the steps match neither single steps nor "
-            f"another run of this program (ms.verify reports it). "
-            f"{graph_lib.stateless_replacement(randoms)} Or build without XLA.",
-            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
-    elif randoms and random == "refuse" and mode == "while_loop":
-        warnings.warn(
-            f"{label}: the step draws with stateful random ops ({graph_lib.named_few(randoms)}). "
-            f"The loop body's copy of each is a kernel of its own, seeded as the original: "
-            f"its draws are those of the program's own single steps only while it is the one "
-            f"kernel of the op that runs in this session. Running the original ops too (a "
-            f"hook that fetches the original loss, an evaluation sess.run through them, the "
-            f"original train op) or another ms.compile of this step (a steps=1 program for "
-            f"an epoch's remainder: use set_steps_per_run or fused.run(sess, feeds=[...]) "
-            f"instead) draws from a stream of its own, and the steps then differ from the "
-            f"program as written. {graph_lib.stateless_replacement(randoms)}",
+            f"{label}: {streams_lib.unshared(graph, randoms)}: the compiled steps draw other "
+            f"numbers than the program as written wherever another copy of it runs too (an "
+            f"evaluation, another program)" + (", and XLA draws with a generator of its "
+                                               "own" if xla else "") + ".",
             RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
     convolutions = sorted({op.type for op in copied
                            if op.type.startswith(("Conv", "DepthwiseConv"))})

@@ -17,6 +17,10 @@ _CAST_LIKE = frozenset({"Cast", "Bitcast"})
 # forward op first (it looks for the forward op's oneDNN kernel, whose workspace they
 # read): in a loop body that order is the gate's to fix (``_gate``).
 VISIT_ORDERED = frozenset({"MaxPoolGrad", "MaxPool3DGrad", "LRNGrad"})
+# Ops of the forward pass that take a resource handle from outside the step with other
+# inputs (so not an entry): a shared random stream's counter (multistep.compiler.streams).
+# Their handle passes the gate too, or it would be a way into the body around it.
+GATED_HANDLES = frozenset({"RngReadAndSkip"})
 AT_END = "_at_end/"  # the key prefix of a fetched state's read at a copy's end
 
 _Template = collections.namedtuple(
@@ -355,7 +359,7 @@ def _gate(nodes, graph_def, prefix, order, input_map, template):
             if op_name in entries:
                 port = int(port or 0)
                 reference = through((op_name, port), f"{op_name}:{port}", entries[op_name][port])
-            elif value is not None and not _is_state(value):
+            elif value is not None and (not _is_state(value) or node.op in GATED_HANDLES):
                 reference = through(value.ref(), value, value.dtype.as_datatype_enum)
             (controls if control else data).append(
                 f"^{gate}" if control and reference.startswith(f"{gate}:") else reference)

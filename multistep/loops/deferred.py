@@ -42,6 +42,8 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.client import session as session_lib
 
 from multistep import graph as graph_lib
+from multistep import _session_hook
+from multistep.compiler import streams as streams_lib
 from multistep.compiler import tripwires as tripwires_lib
 from multistep.compiler.compile import compile_program
 from multistep.compiler.placement import PLACEHOLDERS
@@ -114,6 +116,7 @@ class _Kind:
     name: tuple  # the structure, the fetches' and the fed keys' names
     computed: tuple  # the indices of fed keys the step computes (not placeholders)
     unread: frozenset  # the indices of fed keys the step does not read (dropped)
+    remapped: bool = False  # a fetch is a random op's own output: flat holds its stream's
     held: list = dataclasses.field(default_factory=list)
     last: object = None  # the last _Record of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
@@ -219,6 +222,8 @@ class _Engine:
                               tripwires_lib.OriginalOpRanWarning,
                               stacklevel=graph_lib.user_stacklevel())
         self.stats_barriers += 1
+        if kind.remapped:
+            fetches = _pack(fetches, iter(kind.flat))
         return self._raw(fetches, _forced(feed_dict), options, run_metadata)
 
     def _raw(self, *args):
@@ -439,6 +444,11 @@ def _step_value(stacked, i):
 def _classify(graph, fetches, feed_dict):
     """What a run of ``fetches`` with ``feed_dict``'s keys is (``_Kind``)."""
     flat = [graph.as_graph_element(f) for f in flatten_fetches(fetches)]
+    replaced = streams_lib.replaced(graph)
+    remapped = bool(replaced) and any(isinstance(f, tf.Tensor) and f.ref() in replaced
+                                      for f in flat)
+    if remapped:  # a fetch of a random op's own output: its shared stream's draw
+        flat = [replaced.get(f.ref(), f) if isinstance(f, tf.Tensor) else f for f in flat]
     keys = tuple(k if isinstance(k, tf.SparseTensor) else graph.as_graph_element(k)
                  for k in (feed_dict or ()))
     reached = graph_lib.ancestors([getattr(f, "op", f) for f in flat])
@@ -450,7 +460,7 @@ def _classify(graph, fetches, feed_dict):
     read = [isinstance(k, tf.SparseTensor) or k.op in reached for k in keys]
     computed = tuple(i for i, k in enumerate(keys) if read[i] and not _is_placeholder(k))
     unread = frozenset(i for i, k in enumerate(keys) if not read[i])
-    return _Kind(step, flat, keys, frozenset(reached), name, computed, unread)
+    return _Kind(step, flat, keys, frozenset(reached), name, computed, unread, remapped)
 
 
 def _key_name(key):
@@ -681,6 +691,7 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
         raise ValueError("ms.deferred: the session is deferred already; defer a session "
                          "once.")
     _install()
+    streams_lib.streams_of(raw.graph)  # (its random ops: one stream each, where no run holds them)
     engine = _ENGINES[raw] = _Engine(raw, int(steps), mode, xla, report)
     return DeferredSession(session, engine)
 
@@ -700,6 +711,7 @@ def _raw_session(session):
 def defer_every_session(steps, *, mode="while_loop", xla=False):
     """``multistep run``: every ``tf.compat.v1.Session`` made from now on is deferred."""
     _install()
+    _session_hook.every_graph(streams_lib.streams_of)  # (each graph's random ops: one stream)
     _AUTO.update(steps=steps, mode=mode, xla=xla)
 
 

@@ -483,6 +483,13 @@ def _verify_script(args):
     print("\n".join(report[starts[0]:] if starts else []))
     if difference is not None:
         print(f"DIFFERENT: under multistep run, {difference}")
+        unshared = fused.get("unshared") or {}
+        if unshared and "exit codes" not in difference:
+            what, why = next(iter(unshared.items()))
+            more = f" (and {len(unshared) - 1} more)" if len(unshared) > 1 else ""
+            print(f"likely cause: the compiled steps copied {what}{more}, which draws from a "
+                  f"stream of its own kernel ({why}); every run through another copy of it "
+                  f"moves a stream the others do not follow.")
         return 1
     print(f"OK: {len(first['runs'])} Session.run calls' values and {len(first['closes'])} "
           f"sessions' variables bitwise the same as the script as written")

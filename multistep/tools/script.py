@@ -121,8 +121,10 @@ class _Recorder:
             runs = [deferred.flatten_fetches(ms.value(r)) for r in self.runs]
         except Exception as error:  # noqa: BLE001 (a value of a step that failed)
             runs = [repr(error)]
+        streams = sys.modules.get("multistep.compiler.streams")
+        unshared = dict(streams.COPIED_UNSHARED) if streams is not None else {}
         with open(path, "wb") as f:
-            pickle.dump({"runs": runs, "sites": self.sites,
+            pickle.dump({"runs": runs, "sites": self.sites, "unshared": unshared,
                          "closes": [ms.value(c) for c in self.closes],
                          "exit": code, "seconds": elapsed,
                          "from_first_run": time.perf_counter() - (self.first or 0)}, f)

@@ -1,6 +1,6 @@
-"""A loop whose deferred form must differ (the planted difference of `multistep verify`):
-its evaluation runs the step's own dropout, so it draws from the stream the training steps
-draw from; deferred, the steps draw from their compiled program's copy of the op."""
+"""A loop whose evaluation runs the step's own dropout, so it draws from the stream the
+training steps draw from. Deferred, the dropout's stream is shared by the compiled steps
+and the evaluation (multistep.compiler.streams): bitwise as written."""
 import numpy as np
 import tensorflow as tf
 

@@ -1,0 +1,103 @@
+"""What multistep must know of every ``tf.compat.v1`` session, from before its first run:
+how far each graph has been sent to a session (the shared random streams may rewire only
+ops no session holds yet), and the streams' counters each session must initialise.
+
+No TensorFlow here: ``import multistep`` installs this (``install``) at once if TensorFlow's
+session module is loaded, else when it loads (an import hook), so that a session the
+script makes after ``import multistep`` is seen from its first run, and ``multistep run``
+need not import TensorFlow before the script does. Two methods of ``BaseSession`` are
+wrapped: ``__init__`` (the session is marked born after the hook) and ``_extend_graph``,
+which every run (and ``make_callable``) calls once before it runs: it records how far the
+graph was sent, and where a graph shares its random streams (``multistep.compiler.
+streams``) it first rewires the graph's new random ops and initialises the session's
+counters.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+
+__all__ = ["born_after", "install", "late", "raw_run"]
+
+_SESSION_MODULE = "tensorflow.python.client.session"
+_STATE = {"extend": None, "init": None, "run": None, "late": False, "every": None}
+# on a graph: the largest op id a session may hold (op ids run one ahead of graph.version)
+MARK = "_multistep_extended"
+# on a graph: its multistep.compiler.streams.Streams
+STREAMS = "_multistep_streams"
+
+
+def _init(self, *args, **kwargs):
+    self._multistep_born = True
+    _STATE["init"](self, *args, **kwargs)
+
+
+def _extend_graph(self):
+    graph = self._graph
+    streams = getattr(graph, STREAMS, None)
+    if streams is None and _STATE["every"] is not None:  # (multistep run: every graph)
+        streams = _STATE["every"](graph)
+    if streams is not None:
+        streams.before_run(self)
+    _STATE["extend"](self)
+    setattr(graph, MARK, graph.version + 1)
+
+
+def born_after(session):
+    """Whether ``session`` was made after the hook was installed (all its runs seen)."""
+    return getattr(session, "_multistep_born", False)
+
+
+def late():
+    """Whether the hook was installed after TensorFlow's session module had loaded (a
+    session made before then may have run unseen)."""
+    return _STATE["late"]
+
+
+def raw_run(session, fetches):
+    """TensorFlow's own ``BaseSession.run`` (no wrapper a deferral or recorder added)."""
+    return _STATE["run"](session, fetches)
+
+
+def every_graph(factory):
+    """``multistep run``: ``factory(graph)`` gives each graph its streams at its first run."""
+    _STATE["every"] = factory
+
+
+def _patch(module):
+    base = module.BaseSession
+    if _STATE["extend"] is None:
+        _STATE["extend"], _STATE["init"] = base._extend_graph, base.__init__  # noqa: SLF001
+        _STATE["run"] = base.run
+        base._extend_graph, base.__init__ = _extend_graph, _init  # noqa: SLF001
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches TensorFlow's session module as it loads, then steps aside."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _SESSION_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install():
+    """Installs the hook: now if TensorFlow's session module has loaded, else as it loads."""
+    module = sys.modules.get(_SESSION_MODULE)
+    if module is not None and hasattr(module, "BaseSession"):
+        if _STATE["extend"] is None:
+            _STATE["late"] = True
+        _patch(module)
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
