@@ -410,6 +410,120 @@ def case_monitored(session):
     return final, [float(v) for v in logged], mon
 
 
+def case_dropout_mlp(session):
+    """The commonest TF1 idiom: an MLP with dropout whose keep_prob placeholder is fed 0.8
+    to train and 1.0 to evaluate, the evaluation (through the dropout's op) every 5 steps.
+    The evaluations and the steps draw the dropout's one stream, as written."""
+    rng = np.random.RandomState(3)
+    xs, ys = rng.randn(15, 8, 6).astype(np.float32), rng.randint(0, 3, (15, 8))
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(4)
+        x = v1.placeholder(tf.float32, [None, 6], "x")
+        y = v1.placeholder(tf.int64, [None], "y")
+        keep_prob = v1.placeholder(tf.float32, name="keep_prob")
+        h = tf.nn.dropout(_dense(x, 16, "h", tf.nn.relu), rate=1 - keep_prob)
+        logits = _dense(h, 3, "out")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                            logits=logits))
+        train = v1.train.AdamOptimizer(0.01).minimize(loss)
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        init = v1.global_variables_initializer()
+    sess = session(graph)
+    sess.run(init)
+    reads = []
+    for i in range(15):
+        sess.run(train, {x: xs[i], y: ys[i], keep_prob: 0.8})
+        if i % 5 == 4:
+            reads.append(sess.run([loss, accuracy], {x: xs[0], y: ys[0], keep_prob: 1.0}))
+    return _variables(sess), reads, sess
+
+
+def case_gan_noise(session):
+    """A GAN whose critic and generator train ops draw from one tf.random_normal: two
+    critic steps and a generator step an iteration (two programs, one noise stream).
+    Resource variables under both preambles: with ref variables the critic loss fetched
+    beside its train op reads the weights through ``read`` Identities that alias their
+    buffers, and races the in-place apply in the program as written (its first loss
+    differed between two plain runs)."""
+    rng = np.random.RandomState(5)
+    real = rng.randn(12, 6, 2).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default(), v1.variable_scope(v1.get_variable_scope(), use_resource=True):
+        v1.set_random_seed(6)
+        x = v1.placeholder(tf.float32, [None, 2], "real")
+        z = v1.random_normal([6, 3], seed=7)
+        with v1.variable_scope("gen"):
+            fake = _dense(_dense(z, 8, "l1", tf.nn.relu), 2, "out")
+        with v1.variable_scope("critic") as scope:
+            d_real = _dense(_dense(x, 8, "l1", tf.nn.relu), 1, "out")
+            scope.reuse_variables()
+            d_fake = _dense(_dense(fake, 8, "l1", tf.nn.relu), 1, "out")
+        d_loss = tf.reduce_mean(d_fake) - tf.reduce_mean(d_real)
+        g_loss = -tf.reduce_mean(d_fake)
+        d_train = v1.train.RMSPropOptimizer(0.01).minimize(
+            d_loss, var_list=v1.trainable_variables("critic"))
+        g_train = v1.train.RMSPropOptimizer(0.01).minimize(
+            g_loss, var_list=v1.trainable_variables("gen"))
+        init = v1.global_variables_initializer()
+    sess = session(graph)
+    sess.run(init)
+    losses = []
+    for i in range(4):
+        for k in range(2):
+            losses.append(sess.run([d_train, d_loss], {x: real[3 * i + k]})[1])
+        losses.append(sess.run([g_train, g_loss])[1])
+    return _variables(sess), losses, sess
+
+
+def case_summary_dropout(session):
+    """The loss fetched every step and a summary every 3rd (two fetch sets: two
+    programs, each with its copy of the step's dropout, one stream)."""
+    rng = np.random.RandomState(7)
+    xs = rng.randn(9, 5, 4).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(8)
+        x = v1.placeholder(tf.float32, [None, 4], "x")
+        h = v1.layers.dropout(_dense(x, 8, "h", tf.nn.relu), rate=0.3, training=True) \
+            if hasattr(v1, "layers") and os.environ.get("TF_USE_LEGACY_KERAS") else \
+            tf.nn.dropout(_dense(x, 8, "h", tf.nn.relu), rate=0.3)
+        loss = tf.reduce_mean(tf.square(_dense(h, 1, "out") - 1.0))
+        summary = v1.summary.scalar("loss", loss)
+        train = v1.train.GradientDescentOptimizer(0.05).minimize(loss)
+        init = v1.global_variables_initializer()
+    sess = session(graph)
+    sess.run(init)
+    reads = []
+    for i in range(9):
+        if i % 3 == 2:
+            _, value, text = sess.run([train, loss, summary], {x: xs[i]})
+            reads += [value, text]
+        else:
+            reads.append(sess.run([train, loss], {x: xs[i]})[1])
+    return _variables(sess), reads, sess
+
+
+def case_shuffle_in_step(session):
+    """A step that shuffles its batch's rows (tf.random.shuffle) and adds uniform noise
+    (tf.random.uniform) with graph-level seeds only, its losses read at the end."""
+    rng = np.random.RandomState(9)
+    xs = rng.randn(8, 6, 3).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(10)  # the ops' seeds come from the graph's alone
+        x = v1.placeholder(tf.float32, [None, 3], "x")
+        shuffled = tf.random.shuffle(x)
+        noisy = shuffled[:4] + tf.random.uniform([4, 3], -0.1, 0.1)
+        loss = tf.reduce_mean(tf.square(_dense(noisy, 1, "out") - tf.range(4.0)[:, None]))
+        train = v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+        init = v1.global_variables_initializer()
+    sess = session(graph)
+    sess.run(init)
+    losses = [sess.run([train, loss], {x: xs[i]})[1] for i in range(8)]
+    return _variables(sess), [float(v) for v in losses], sess
+
+
 def _kernel_differences(session):
     """For each program the deferred session compiled: the first difference between the
     kernels its loop body executed and those of the step run alone (as written), in a

@@ -50,6 +50,19 @@ EXPECTED = {
     # LoggingTensorHook adds its fetch every 4th step (another program) and reads it (a
     # read): 1 (logged), 3, 1, 3, 1, 3 steps.
     "monitored": (12, 6),
+    # The random streams (multistep.compiler.streams). On the main before them the first
+    # three differed (12, 21 and 4 variables, and the values read); the fourth, one
+    # program and no evaluation, was bitwise already (the loop body's one kernel).
+    # The evaluation every 5 steps (through the dropout, keep_prob 1.0) is a barrier: 4 + 1
+    # a period, 3 periods; evaluations and steps draw the one stream.
+    "dropout_mlp": (15, 6),
+    # Two critic steps (one run), then the generator's (another program): 2 an iteration,
+    # both programs and the noise op's consumers drawing one stream.
+    "gan_noise": (12, 8),
+    # The summary every 3rd step is another fetch set (another program): 2 + 1 a period.
+    "summary_dropout": (9, 6),
+    # 8 steps, their losses read after the loop: 4 + 4.
+    "shuffle_in_step": (8, 2),
 }
 
 

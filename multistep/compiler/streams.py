@@ -54,13 +54,14 @@ def _elements(op, shape):
 
 
 def _shuffled_rows(op):
-    """``RandomShuffle`` reserves ceil(rows / 4) counters a call (none for one row or
-    none): in units of 256, as the counter of this op is kept scaled by 256."""
+    """``RandomShuffle`` of n rows draws n - 1 32-bit numbers (Fisher-Yates), so it
+    reserves ceil((n - 1) / 4) counters a call (none for one row or none), found draw by
+    draw against StatelessShuffle; in units of 256: this op's counter is kept scaled."""
     rows = op.inputs[0].shape[0] if op.inputs[0].shape.rank else None
-    rows = tf.shape(op.inputs[0], out_type=tf.int64)[0] if rows is None else rows
     if isinstance(rows, int):
-        return tf.constant((rows + 3) // 4 if rows > 1 else 0, tf.uint64)
-    return tf.cast(tf.where(rows > 1, (rows + 3) // 4, tf.zeros_like(rows)), tf.uint64)
+        return tf.constant((rows + 2) // 4, tf.uint64)
+    rows = tf.shape(op.inputs[0], out_type=tf.int64)[0]
+    return tf.cast((rows + 2) // 4, tf.uint64)
 
 
 def _gamma_elements(op):
