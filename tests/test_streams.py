@@ -2,6 +2,8 @@
 draw, the bits of the op's own kernel; ops no stateless op continues keep their kernel and
 say why; a session that is not deferred computes what it computes without the rewrite."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -186,3 +188,44 @@ def test_the_counters_are_in_no_collection():
     with graph.as_default(), v1.Session() as sess:
         sess.run(v1.global_variables_initializer())
         assert sess.run(v1.report_uninitialized_variables()).size == 0
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "while_loop"])
+def test_ms_compile_before_the_first_session_is_bitwise_in_both_modes(mode):
+    # A dropout step compiled (3 steps a run) before any session, an evaluation through
+    # the original dropout between runs, and a second program of the same step (one step,
+    # for a remainder): every value and the weights bitwise those of single steps. On
+    # the main before the shared streams, unrolled mode refused the step and loop mode
+    # warned that the evaluation and the second program move other streams.
+    def program():
+        v1.set_random_seed(7)
+        x = v1.placeholder(tf.float32, [None, 4], "x")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer())
+        h = tf.nn.dropout(tf.nn.relu(x @ w), rate=0.4)
+        loss = tf.reduce_mean(tf.square(h - 0.5))
+        train = v1.train.AdamOptimizer(0.05).minimize(loss)
+        return x, w, h, loss, train, v1.global_variables_initializer()
+
+    batches = np.random.RandomState(2).randn(7, 5, 4).astype(np.float32)
+    with tf.Graph().as_default():
+        x, w, h, loss, train, init = program()
+        with v1.Session() as sess:
+            sess.run(init)
+            want = [sess.run([loss, train], {x: b})[0] for b in batches[:3]]
+            want.append(sess.run(h, {x: batches[0]}))
+            want += [sess.run([loss, train], {x: b})[0] for b in batches[3:7]]
+            want.append(sess.run(w))
+    with tf.Graph().as_default():
+        x, w, h, loss, train, init = program()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            fused = ms.compile([loss, train], steps=3, mode=mode)
+            rest = ms.compile([loss, train], steps=1, mode=mode, name="rest")
+            with v1.Session() as sess:
+                sess.run(init)
+                got = list(fused.run(sess, feeds=[{x: b} for b in batches[:3]])[0])
+                got.append(sess.run(h, {x: batches[0]}))
+                got += list(fused.run(sess, feeds=[{x: b} for b in batches[3:6]])[0])
+                got += list(rest.run(sess, feeds=[{x: batches[6]}])[0])
+                got.append(sess.run(w))
+    assert [np.asarray(g).tobytes() for g in got] == [np.asarray(v).tobytes() for v in want]
