@@ -212,10 +212,17 @@ def test_errors_surface_at_the_read_as_tensorflows_class_naming_the_line(mode):
     assert sess.report().steps == 2
 
 
-def test_another_threads_runs_pass_through_without_flushing():
+def test_a_run_from_another_thread_sees_the_steps_the_loop_made_before_it():
+    # an evaluation thread (or a checkpoint from a threading.Timer) after 3 steps sees
+    # the weights after 3 steps, as written: its run is a barrier for the pending steps.
+    # (On the previous main it passed through and saw the weights before: 0 steps.)
     import threading
 
     graph, x, w, loss, train, init = _model()
+    plain = v1.Session(graph=graph)
+    plain.run(init)
+    for _ in range(3):
+        plain.run(train, {x: BATCH})
     sess = ms.deferred(v1.Session(graph=graph), steps=8)
     sess.run(init)
     for _ in range(3):
@@ -224,9 +231,119 @@ def test_another_threads_runs_pass_through_without_flushing():
     thread = threading.Thread(target=lambda: seen.append(sess.run(w)))
     thread.start()
     thread.join()
-    assert sess.report().runs == 0 and seen[0].shape == (3, 1)  # the weights before: 0 steps
-    sess.flush()
-    assert sess.report().runs == 1
+    assert seen[0].tobytes() == plain.run(w).tobytes()
+    report = sess.report()
+    assert (report.steps, report.runs) == (3, 1)
+    assert any("a run from another thread" in cause for cause in report.causes)
+
+
+def test_a_feeder_thread_filling_a_queue_at_capacity_finishes_as_written():
+    # The loop trains from a FIFOQueue of capacity 4 that a feeder thread fills with
+    # sess.run(enqueue). A step that dequeues runs as written (a compiled run dequeuing
+    # 4 at once would wait for the feeder, whose runs waited on the compiled run's lock:
+    # the main loop hung with no message on the previous main).
+    import threading
+
+    batches = np.random.RandomState(0).randn(40, 2, 3).astype(np.float32)
+
+    def train_from_queue(make_session):
+        out = {}
+
+        def trainer():  # the loop's own thread (the session is deferred in it)
+            graph = tf.Graph()
+            with graph.as_default():
+                queue = tf.queue.FIFOQueue(4, [tf.float32], shapes=[[2, 3]])
+                fed = v1.placeholder(tf.float32, [2, 3])
+                enqueue = queue.enqueue([fed])
+                w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+                loss = tf.reduce_mean(tf.square(tf.matmul(queue.dequeue(), w) - 1.0))
+                train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+                init = v1.global_variables_initializer()
+            sess = out["sess"] = make_session(graph)
+            sess.run(init)
+            feeder = threading.Thread(
+                target=lambda: [sess.run(enqueue, {fed: b}) for b in batches], daemon=True)
+            feeder.start()
+            out["losses"] = ms.value([sess.run([train, loss])[1] for _ in range(40)])
+            feeder.join(timeout=30)
+            out["w"] = sess.run(w)
+
+        thread = threading.Thread(target=trainer, daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the training loop hung"
+        return out["losses"], out["w"], out["sess"]
+
+    want, want_w, _ = train_from_queue(lambda g: v1.Session(graph=g))
+    got, got_w, sess = train_from_queue(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    assert [float(v) for v in got] == [float(v) for v in want]
+    assert got_w.tobytes() == want_w.tobytes()
+    report = sess.report()
+    assert report.runs == 0 and sum(report.direct.values()) == 40
+    assert all("dequeues from a queue" in why for why in report.direct)
+
+
+def test_a_step_that_calls_python_runs_when_the_loop_does():
+    # a py_func in the step reads Python state the loop sets before each run: deferred,
+    # it ran at flush time and read the flush's state (loss 10x off, silent, on the
+    # previous main); it runs as written, and the report says why
+    state = {"scale": 1.0}
+
+    def scaled(v):
+        return np.float32(v * state["scale"])
+
+    def loop(make_session):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 3])
+            w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer())
+            raw = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+            factor = tf.compat.v1.py_func(scaled, [tf.constant(1.0)], tf.float32)
+            loss = raw * factor
+            train = v1.train.GradientDescentOptimizer(0.01).minimize(loss)
+            init = v1.global_variables_initializer()
+        sess = make_session(graph)
+        sess.run(init)
+        out = []
+        for i in range(6):
+            state["scale"] = float(i + 1)
+            out.append(sess.run([train, loss], {x: BATCH})[1])
+        return [float(v) for v in out], sess
+
+    want, _ = loop(lambda g: v1.Session(graph=g))
+    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    assert got == want
+    report = sess.report()
+    assert report.runs == 0 and sum(report.direct.values()) == 6
+    assert all("calls Python" in why and "PyFunc" in why for why in report.direct)
+
+
+def test_a_step_ms_compile_refuses_runs_as_written_and_the_report_says_why():
+    # ref variables, loop mode under v2 control flow: ms.compile refuses the step (its
+    # loop body cannot capture them). The script as written runs; deferred it crashed on
+    # the previous main. Now its steps run one at a time, bitwise, the refusal reported.
+    def loop(make_session):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 3])
+            w = v1.get_variable("w", [3, 1], initializer=v1.ones_initializer(),
+                                use_resource=False)
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+            init = v1.global_variables_initializer()
+        sess = make_session(graph)
+        sess.run(init)
+        losses = [sess.run([train, loss], {x: BATCH})[1] for _ in range(5)]
+        return [float(v) for v in losses], sess.run(w), sess
+
+    want, want_w, _ = loop(lambda g: v1.Session(graph=g))
+    got, got_w, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    assert got == want and got_w.tobytes() == want_w.tobytes()
+    report = sess.report()
+    assert report.runs == 0 and sum(report.direct.values()) == 5
+    assert all("ms.compile refuses this step: deferred_1: the step uses ref variable(s) 'w'"
+               in why for why in report.direct), report.direct
+    assert "run one at a time" in str(report)
 
 
 def test_an_evaluation_through_a_random_op_no_stream_shares_is_warned():

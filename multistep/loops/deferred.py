@@ -20,9 +20,16 @@ the program (``ms.compile(carry=...)``) rather than forcing a run.
 
 Every ``run`` reaches the session through one patched ``BaseSession.run``, so a run made
 through the original session object (a ``Saver``, a hook, ``tensor.eval()``) is a barrier
-too; sessions that are not deferred run as before. Runs from another thread (queue
-runners, a ``Supervisor``'s summary thread) pass straight through, serialised with the
-step program by a lock.
+too; sessions that are not deferred run as before. A run from another thread (an evaluation
+thread, a ``Supervisor``'s summary thread, a ``threading.Timer``'s save) runs the main
+loop's pending steps first, so it sees the steps the loop made before it; no lock is held
+across a run that is not a compiled one.
+
+Some steps run as written, one at a time, each a line of the report: a step that calls
+Python (``py_func``, ``numpy_function``, ``py_function``), a step that dequeues from a
+queue threads fill (``shuffle_batch``, ``batch`` with queue runners), and a step
+``ms.compile`` refuses (a race the program has, an op it cannot copy). Deferring any of
+them would change what the script as written observes.
 """
 
 import atexit
@@ -117,6 +124,7 @@ class _Kind:
     computed: tuple  # the indices of fed keys the step computes (not placeholders)
     unread: frozenset  # the indices of fed keys the step does not read (dropped)
     remapped: bool = False  # a fetch is a random op's own output: flat holds its stream's
+    direct: str = None  # why its steps run as written, one at a time (None: deferred)
     held: list = dataclasses.field(default_factory=list)
     last: object = None  # the last _Record of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
@@ -172,11 +180,19 @@ class _Engine:
             self.calls += 1
             site = _site()
             kind = self._kind(fetches, feed_dict)
-            if _meaningful(options) or not kind.step:
+            if kind.step and kind.direct is None and not _meaningful(options):
+                return self._defer(kind, self._copied_feed(kind, feed_dict), site, fetches)
+            if kind.step and kind.direct is not None:  # a step that must run as written
+                self.flush(f"a step run as written at {site}")
+                self.direct[f"{kind.direct} (the run at {site})"] += 1
+            else:
                 what = "a run with RunOptions" if kind.step else "another run"
-                return self._barrier(kind, fetches, feed_dict, options, run_metadata,
-                                     f"{what} at {site}")
-            return self._defer(kind, self._copied_feed(kind, feed_dict), site, fetches)
+                self._before_barrier(kind, f"{what} at {site}")
+            if kind.remapped:
+                fetches = _pack(fetches, iter(kind.flat))
+        # (no lock held across it: a run another thread's run must let finish, such as a
+        # dequeue from a queue that thread fills, cannot wait on this one)
+        return self._raw(fetches, _forced(feed_dict), options, run_metadata)
 
     def flush(self, cause=None):
         """Runs the pending steps (one compiled run); ``cause`` says why it is short."""
@@ -208,7 +224,9 @@ class _Engine:
 
     # -- one call ----------------------------------------------------------------------
 
-    def _barrier(self, kind, fetches, feed_dict, options, run_metadata, cause):
+    def _before_barrier(self, kind, cause):
+        """A run that is not deferred: the pending steps first, and the warning where it
+        runs an original op the compiled programs copy."""
         self.flush(cause)
         if kind.hits is None or kind.hits[0] != len(self.guarded):  # (once a program)
             kind.hits = (len(self.guarded), [op for op in kind.reached if op in self.guarded])
@@ -222,9 +240,6 @@ class _Engine:
                               tripwires_lib.OriginalOpRanWarning,
                               stacklevel=graph_lib.user_stacklevel())
         self.stats_barriers += 1
-        if kind.remapped:
-            fetches = _pack(fetches, iter(kind.flat))
-        return self._raw(fetches, _forced(feed_dict), options, run_metadata)
 
     def _raw(self, *args):
         self.local.depth = getattr(self.local, "depth", 0) + 1
@@ -344,17 +359,25 @@ class _Engine:
             links = next((dict(key[1]) for key in self.programs
                           if key[0] == kind.name and set(computed) <= set(dict(key[1]))), links)
             computed = [i for i in computed if i not in links]
-        if computed:  # a value fed to a tensor the step computes, not fed back: as written
+        try:
+            program = self._program(kind, links, len(records))
+        except (ValueError, NotImplementedError) as refusal:  # ms.compile refuses the step:
+            # it runs as written, and the report says why
+            kind.direct = (f"ms.compile refuses this step: "
+                           f"{_first_sentences(str(refusal))}")
+            computed = [None]
+        if computed:  # the steps one at a time, as written
+            reason = (kind.direct if kind.direct is not None else
+                      f"{kind.keys[computed[0]].name} is fed and not carried (not a value of "
+                      f"the step before it)")
             for i, record in enumerate(records):
-                self.direct[f"{kind.keys[computed[0]].name} is fed and not carried (not a "
-                            f"value of the step before it)"] += 1
+                self.direct[f"{reason} (the run at {record.site})"] += 1
                 try:
                     values = self._raw(kind.flat, dict(zip(kind.keys, record.feed)), None, None)
                 except tf.errors.OpError as error:
                     self._failed(kind, records[i:], error, None, 0)
                 self._settle([record], kind, values, None)
             return
-        program = self._program(kind, links, len(records))
         first = records[0].feed
         kept = [i for i in range(len(kind.keys)) if i in links or i not in kind.unread]
         # keyed by name where it can be (a string hashes faster than a tensor); carried:
@@ -460,7 +483,35 @@ def _classify(graph, fetches, feed_dict):
     read = [isinstance(k, tf.SparseTensor) or k.op in reached for k in keys]
     computed = tuple(i for i, k in enumerate(keys) if read[i] and not _is_placeholder(k))
     unread = frozenset(i for i, k in enumerate(keys) if not read[i])
-    return _Kind(step, flat, keys, frozenset(reached), name, computed, unread, remapped)
+    kind = _Kind(step, flat, keys, frozenset(reached), name, computed, unread, remapped)
+    kind.direct = _as_written(reached) if step else None
+    return kind
+
+
+# A step that calls Python: its Python must run when the loop's does (it may read what the
+# loop set before the run).
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _as_written(reached):
+    """Why a step that reaches ``reached`` must run as written, one at a time (or None)."""
+    python = sorted(f"{op.name!r} ({op.type}){graph_lib.built_at(op)}" for op in reached
+                    if op.type in _PYTHON_OPS)
+    if python:
+        return (f"the step calls Python ({python[0]}), which must run when the loop's "
+                f"Python does")
+    queues = sorted(f"{op.name!r}{graph_lib.built_at(op)}" for op in reached
+                    if op.type.startswith("QueueDequeue"))
+    if queues:
+        return (f"the step dequeues from a queue ({queues[0]}) that threads fill: each step "
+                f"takes what the queue holds when the loop runs it")
+    return None
+
+
+def _first_sentences(text, most=400):
+    """``text`` cut after the sentence that passes ``most`` characters."""
+    end = text.find(". ", most)
+    return text if end < 0 else text[:end + 1]
 
 
 def _key_name(key):
@@ -746,8 +797,10 @@ def _run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     if engine is None or not engine.bypassing():
         return (_ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
                 if engine is None else engine.run(fetches, feed_dict, options, run_metadata))
-    with engine.lock:  # another thread's run: never in the middle of a step program
-        return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
+    if (getattr(engine.local, "depth", 0) == 0 and not engine.closed
+            and engine.pending is not None):  # another thread's run: it sees the loop's steps
+        engine.flush(f"a run from another thread at {_site()}")
+    return _ORIGINAL["run"](self, fetches, feed_dict, options, run_metadata)
 
 
 def _barrier_callable(session, call):
