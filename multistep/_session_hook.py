@@ -17,7 +17,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["born_after", "install", "late", "raw_run"]
+__all__ = ["after_import", "born_after", "install", "late", "raw_run"]
 
 _SESSION_MODULE = "tensorflow.python.client.session"
 _STATE = {"extend": None, "init": None, "run": None, "late": False, "every": None}
@@ -90,6 +90,46 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_and_patch
         return spec
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls the functions ``after_import`` gave for a module once it has loaded whole, in
+    the order they were given (then steps aside)."""
+
+    def __init__(self, name):
+        self.name, self.fns = name, []
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, fns = spec.loader.exec_module, self.fns
+
+        def exec_then_call(module):
+            exec_module(module)
+            for fn in fns:
+                fn()
+
+        spec.loader.exec_module = exec_then_call
+        return spec
+
+
+def after_import(name, fn):
+    """Calls ``fn()`` now if the module ``name`` is loaded, else once the program imports
+    it (``multistep run``: the deferral is installed when the script imports TensorFlow,
+    not before, so that nothing TensorFlow's import does happens earlier than as written)."""
+    if name in sys.modules:
+        fn()
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == name),
+                  None)
+    if finder is None:
+        finder = _AfterImport(name)
+        sys.meta_path.insert(0, finder)
+    finder.fns.append(fn)
 
 
 def install():

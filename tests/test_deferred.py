@@ -481,3 +481,21 @@ def test_multistep_verify_passes_on_the_loop_shapes_as_one_script():
     result = _multistep("verify", SCRIPTS / "loop_shapes.py", "--steps", 4, timeout=900)
     assert result.returncode == 0 and "OK:" in result.stdout, (result.stdout
                                                                + result.stderr[-3000:])
+
+
+def test_multistep_run_imports_nothing_before_the_script_and_its_own_deferral_wins():
+    # own_deferral.py prints whether TensorFlow or numpy was loaded before its first line,
+    # logs a line through TensorFlow's logger, and defers its own session (steps=3). On
+    # the previous main, multistep run loaded TensorFlow first ("True True"), set its
+    # logger to ERROR (the line gone), and the script failed: "deferred already".
+    script = SCRIPTS / "own_deferral.py"
+    written = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=600)
+    fused = _multistep("run", "--steps", 4, script)
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert fused.stdout == written.stdout  # the losses bitwise (repr), the report's runs
+    assert "loaded before the script: False False" in fused.stdout
+    assert "WARNING:tensorflow:the script's own warning" in fused.stderr
+    assert fused.stderr.count("the script defers this session itself (ms.deferred at "
+                              "own_deferral.py:24): its own steps=3 are used.") == 1
+    assert "6 steps in 2 compiled runs" in fused.stderr  # the script's own deferral's

@@ -229,3 +229,21 @@ def test_ms_compile_before_the_first_session_is_bitwise_in_both_modes(mode):
                 got += list(rest.run(sess, feeds=[{x: batches[6]}])[0])
                 got.append(sess.run(w))
     assert [np.asarray(g).tobytes() for g in got] == [np.asarray(v).tobytes() for v in want]
+
+
+def test_the_graph_keeps_the_users_names_and_adds_a_stream_scope_beside_each_op():
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        drawn = tf.nn.dropout(tf.ones([2, 3]), rate=0.5)
+        before = [op.name for op in graph.get_operations()]
+        with tf.name_scope("the_callers_scope"), tf.control_dependencies([drawn]):
+            streams.share(graph)  # (as ms.compile does, inside its own name scope)
+    after = [op.name for op in graph.get_operations()]
+    assert after[:len(before)] == before  # the user's ops: all there, names unchanged
+    added = after[len(before):]
+    assert added and all(name.startswith("dropout/random_uniform/RandomUniform_stream/")
+                         for name in added), added
+    assert all(not graph.get_operation_by_name(name).control_inputs or
+               all(c.name in added for c in graph.get_operation_by_name(name).control_inputs)
+               for name in added)  # (none of the caller's control dependencies)

@@ -177,7 +177,8 @@ def _stream(op, kind, seed, seed2):
     """The ops of one shared stream: (its draw, its counter's initialiser)."""
     build, skip, scaled = kind
     graph = op.graph
-    scope = graph.unique_name(f"{op.name}_stream", mark_as_used=True)
+    with _outside(graph):  # (unique_name prefixes the caller's name scope: none here)
+        scope = graph.unique_name(f"{op.name}_stream", mark_as_used=True)
     with _outside(graph), graph.name_scope(scope + "/"), graph.device(op.device or None):
         counter = _raw.VarHandleOp(dtype=tf.int64, shape=[3], shared_name=f"{scope}/counter",
                                    name="counter")

@@ -162,6 +162,7 @@ class _Engine:
         self.direct = collections.Counter()
         self.causes = collections.Counter()
         self.closed = False
+        self.auto = False  # made by multistep run (a script's own ms.deferred replaces it)
 
     @property
     def session(self):
@@ -738,9 +739,16 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
                         f"got {type(session).__name__}.")
     if getattr(raw, "_closed", False):
         raise RuntimeError("ms.deferred: the session is closed.")
-    if raw in _ENGINES:
+    if raw in _ENGINES and not _ENGINES[raw].auto:
         raise ValueError("ms.deferred: the session is deferred already; defer a session "
                          "once.")
+    if _AUTO:  # multistep run on a script that defers its own session: the script's wins
+        previous = _ENGINES.pop(raw, None)
+        if previous is not None:
+            previous.flush(f"ms.deferred at {_site()}")
+            previous.closed = True
+        print(f"multistep run: the script defers this session itself (ms.deferred at "
+              f"{_site()}): its own steps={steps} are used.", file=sys.stderr)
     _install()
     streams_lib.streams_of(raw.graph)  # (its random ops: one stream each, where no run holds them)
     engine = _ENGINES[raw] = _Engine(raw, int(steps), mode, xla, report)
@@ -786,6 +794,7 @@ def _engine_of(session):
     if engine is None and _AUTO and not getattr(session, "_closed", False):
         engine = _ENGINES[session] = _Engine(session, _AUTO["steps"], _AUTO["mode"],
                                              _AUTO["xla"])
+        engine.auto = True
         # the script's loop is the main thread's, whichever thread ran the session first
         # (a Supervisor's or a queue runner's)
         engine.owner = threading.main_thread().ident

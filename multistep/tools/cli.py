@@ -38,7 +38,8 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 2
-    _load_tensorflow()
+    if args.command != "run":  # (run: the script imports TensorFlow itself, as written)
+        _load_tensorflow()
     return args.func(args)
 
 

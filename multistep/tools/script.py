@@ -25,15 +25,21 @@ __all__ = ["compare", "main", "run_script"]
 def run_script(path, args=(), *, steps=None, mode="while_loop", xla=False, record=None,
                report=False):
     """Runs ``path`` as a script; returns its exit code. ``steps``: defer every session
-    it makes (``multistep run``). ``record``: write what it did to this file."""
+    it makes (``multistep run``). ``record``: write what it did to this file.
+
+    Nothing is imported before the script's own imports (importing TensorFlow draws from
+    numpy's global random state, sets up its logging): the deferral and the recorder
+    are installed when the script imports TensorFlow."""
     if not os.path.isfile(path):
         print(f"multistep: no such script: {path}", file=sys.stderr)
         return 2
-    from multistep.loops import deferred
+    from multistep import _session_hook
 
+    recorder = []
     if steps is not None:
-        deferred.defer_every_session(steps, mode=mode, xla=xla)
-    recorder = _Recorder() if record else None
+        _session_hook.after_import("tensorflow", lambda: _defer_every_session(steps, mode, xla))
+    if record:
+        _session_hook.after_import("tensorflow", lambda: recorder.append(_Recorder()))
     sys.argv = [path] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     code, start = 0, time.perf_counter()
@@ -50,18 +56,27 @@ def run_script(path, args=(), *, steps=None, mode="while_loop", xla=False, recor
         traceback.print_exception(type(error), error, tb or error.__traceback__)
         code = 1
     finally:  # the steps the script deferred before it ended (or raised) run now
+        deferred = sys.modules.get("multistep.loops.deferred")
         try:
-            deferred.flush_all("the script's end")
+            if deferred is not None:
+                deferred.flush_all("the script's end")
         except Exception:  # noqa: BLE001 (a deferred step failed: its error, exit 1)
             traceback.print_exc()
             code = code or 1
     elapsed = time.perf_counter() - start
-    if recorder is not None:
-        recorder.finish(record, code, elapsed)
-    if steps is not None and report:
+    if record:
+        _Recorder.write(recorder[0] if recorder else None, record, code, elapsed)
+    deferred = sys.modules.get("multistep.loops.deferred")
+    if steps is not None and report and deferred is not None:
         for r in deferred.reports():
             print(r, file=sys.stderr)
     return code
+
+
+def _defer_every_session(steps, mode, xla):
+    from multistep.loops import deferred
+
+    deferred.defer_every_session(steps, mode=mode, xla=xla)
 
 
 class _Recorder:
@@ -108,6 +123,16 @@ class _Recorder:
         with sess.graph.as_default():
             variables = tf.compat.v1.global_variables()
         return self.run(sess, {v.op.name: v for v in variables}) if variables else {}
+
+    @staticmethod
+    def write(recorder, path, code, elapsed):
+        """Writes the record (``recorder`` None: the script never imported TensorFlow)."""
+        if recorder is None:
+            with open(path, "wb") as f:
+                pickle.dump({"runs": [], "sites": [], "unshared": {}, "closes": [],
+                             "exit": code, "seconds": elapsed, "from_first_run": 0.0}, f)
+            return
+        recorder.finish(path, code, elapsed)
 
     def finish(self, path, code, elapsed):
         import multistep as ms
