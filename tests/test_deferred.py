@@ -499,3 +499,29 @@ def test_multistep_run_imports_nothing_before_the_script_and_its_own_deferral_wi
     assert fused.stderr.count("the script defers this session itself (ms.deferred at "
                               "own_deferral.py:24): its own steps=3 are used.") == 1
     assert "6 steps in 2 compiled runs" in fused.stderr  # the script's own deferral's
+
+
+def _verify_in(folder, *args, stdin=""):
+    return subprocess.run([sys.executable, "-m", "multistep", "verify", *map(str, args)],
+                          capture_output=True, text=True, timeout=600, cwd=folder, input=stdin)
+
+
+def test_multistep_verify_compares_output_and_files_in_a_working_copy_of_its_own(tmp_path):
+    # observed.py ok reads its step count from standard input, resumes from ./ckpt when
+    # it is there, saves there and under mkdtemp(), writes ./losses.json. On the previous
+    # main, verify called it "not deterministic" (the second run resumed from the first's
+    # checkpoint; the mkdtemp path a save returns differed) and compared no file.
+    script = SCRIPTS / "observed.py"
+    ok = _verify_in(tmp_path, script, "--steps", 4, "--", "ok", stdin="5\n")
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
+    assert "OK: 8 Session.run calls' values, 1 sessions' variables, its output and the 4 " \
+           "files it wrote" in ok.stdout, ok.stdout
+    assert list(tmp_path.iterdir()) == []  # (every run wrote in a copy of its own)
+    # planted: a printed line, and a file, that depend on the type of a fetched loss (a
+    # lazy value is not an np.floating): on the previous main both were called OK
+    line = _verify_in(tmp_path, script, "--steps", 4, "--", "line")
+    assert line.returncode == 1 and ("DIFFERENT: under multistep run, line 1 of its "
+                                     "standard output differs: 'the last loss is float' as "
+                                     "written, 'the last loss is not a float'") in line.stdout
+    file = _verify_in(tmp_path, script, "--steps", 4, "--", "file")
+    assert file.returncode == 1 and "the file kind.json it wrote differs" in file.stdout

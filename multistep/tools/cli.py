@@ -432,42 +432,66 @@ def _run(args):
                              xla=args.xla, report=not args.quiet)
 
 
-def _script_runs(args, record_dir, deferred):
+def _script_runs(args, record_dir, deferred, script=None):
     """The command that runs args.script in a subprocess, recording into record_dir."""
     command = [sys.executable, "-m", "multistep.tools.script", "--record",
                os.path.join(record_dir, "record.pkl")]
     if deferred:
         command += ["--steps", str(args.steps), "--report"]
-    return command + [args.script.partition(":")[0]] + list(getattr(args, "args", []))
+    return command + [script or args.script.partition(":")[0]] + list(getattr(args, "args", []))
 
 
-def _record(args, deferred, what):
-    """Runs the script once in a subprocess; its record, or None (said why)."""
+def _record(args, deferred, what, stdin=None, work=None):
+    """Runs the script once in a subprocess; its record, or None (said why). ``work``:
+    (the working directory to copy for this run, its snapshot) or None (run here)."""
     import pickle
     import subprocess
 
+    from multistep.tools import observed
+
     with tempfile.TemporaryDirectory() as folder:
-        proc = subprocess.run(_script_runs(args, folder, deferred), capture_output=True,
-                              text=True)
+        cwd, script = None, args.script.partition(":")[0]
+        if work is not None:
+            cwd = os.path.join(folder, "work")
+            if observed.working_copy(work[0], cwd):
+                inside = os.path.relpath(os.path.abspath(script), work[0])
+                if not inside.startswith(os.pardir):
+                    script = os.path.join(cwd, inside)  # (the copy's, as the script's folder)
+            else:
+                cwd = None
+        proc = subprocess.run(_script_runs(args, folder, deferred, os.path.abspath(script)),
+                              capture_output=True, input=stdin, cwd=cwd)
+        stdout = proc.stdout.decode(errors="replace")
+        stderr = proc.stderr.decode(errors="replace")
         path = os.path.join(folder, "record.pkl")
         if not os.path.exists(path):
-            sys.stderr.write(proc.stderr[-3000:])
+            sys.stderr.write(stderr[-3000:])
             print(f"multistep verify: {what} did not finish (exit {proc.returncode})",
                   file=sys.stderr)
             return None
         with open(path, "rb") as f:
             record = pickle.load(f)
-    record["stderr"] = proc.stderr
+        record["files"] = observed.files_written(cwd, work[1]) if cwd is not None else {}
+    record["stderr"], record["stdout"] = stderr, stdout
     return record
 
 
 def _verify_script(args):
-    from multistep.tools import script
+    from multistep.tools import observed, script
 
     print(f"multistep verify {args.script}: as written twice (deterministic?), then under "
           f"multistep run --steps {args.steps}")
-    first = _record(args, False, "the script as written")
-    second = first and _record(args, False, "the script as written (a second time)")
+    # each run in a copy of the working directory of its own, fed the same standard input
+    # (read once here unless it is a terminal)
+    stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
+    here = os.getcwd()
+    work = (here, observed.snapshot(here)) if observed.copyable(here) else None
+    if work is None:
+        print(f"multistep verify: the working directory is over {observed.COPY_LIMIT >> 20} "
+              f"MiB: the runs share it, and the files they write are not compared")
+    first = _record(args, False, "the script as written", stdin, work)
+    second = first and _record(args, False, "the script as written (a second time)", stdin,
+                               work)
     if second is None:
         return 2
     difference = script.compare(first, second)
@@ -475,13 +499,17 @@ def _verify_script(args):
         print(f"the script as written is not deterministic: between two runs, {difference}. "
               f"Seed it (tf.compat.v1.set_random_seed, numpy's seeds) to verify it.")
         return 2
-    fused = _record(args, True, "the script under multistep run")
+    fused = _record(args, True, "the script under multistep run", stdin, work)
     if fused is None:
         return 2
     difference = script.compare(first, fused)
+    observed_difference, skipped = observed.differences(first, second, fused)
+    difference = difference or observed_difference
     report = fused["stderr"].splitlines()
     starts = [i for i, line in enumerate(report) if line.startswith("multistep deferred")]
     print("\n".join(report[starts[0]:] if starts else []))
+    for what in skipped:
+        print(f"not compared: {what}")
     if difference is not None:
         print(f"DIFFERENT: under multistep run, {difference}")
         unshared = fused.get("unshared") or {}
@@ -492,8 +520,9 @@ def _verify_script(args):
                   f"stream of its own kernel ({why}); every run through another copy of it "
                   f"moves a stream the others do not follow.")
         return 1
-    print(f"OK: {len(first['runs'])} Session.run calls' values and {len(first['closes'])} "
-          f"sessions' variables bitwise the same as the script as written")
+    print(f"OK: {len(first['runs'])} Session.run calls' values, {len(first['closes'])} "
+          f"sessions' variables, its output and the {len(first['files'])} files it wrote "
+          f"bitwise the same as the script as written")
     return 0
 
 

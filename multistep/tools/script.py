@@ -13,6 +13,7 @@ what ``multistep verify script.py`` compares between the script as written and u
 import argparse
 import os
 import pickle
+import re
 import runpy
 import sys
 import time
@@ -87,6 +88,7 @@ class _Recorder:
 
         from multistep.loops import deferred
 
+        deferred._install()  # noqa: SLF001 (a script's own ms.deferred patches run: first)
         # the sessions in the order they first ran (a WeakSet's order is not kept)
         self.runs, self.sites, self.closes, self.sessions = [], [], [], {}
         self.first = None
@@ -155,6 +157,10 @@ class _Recorder:
                          "from_first_run": time.perf_counter() - (self.first or 0)}, f)
 
 
+# tempfile's names (mkdtemp, mkstemp): a run's value naming one differs between runs
+_TEMP_NAME = re.compile(rb"tmp[a-z0-9_]{8}")
+
+
 def compare(a, b):
     """The first difference between two records (``run_script(record=...)``), as a
     sentence, or None if they are bitwise the same."""
@@ -164,6 +170,8 @@ def compare(a, b):
     from multistep.loops import deferred
 
     def same(x, y):
+        if isinstance(x, bytes) and isinstance(y, bytes):  # (a path under mkdtemp())
+            return _TEMP_NAME.sub(b"tmp", x) == _TEMP_NAME.sub(b"tmp", y)
         if isinstance(x, (np.ndarray, np.generic)) or isinstance(y, (np.ndarray, np.generic)):
             return same_bits(x, y)
         return type(x) is type(y) and x == y

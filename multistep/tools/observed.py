@@ -1,0 +1,176 @@
+"""What a script's run leaves that a person sees besides its ``Session.run`` values: the
+lines it prints and the files it writes under its working directory. ``multistep verify
+SCRIPT.py`` runs the script as written twice and under ``multistep run`` once, each in a
+copy of the working directory of its own, fed the same standard input, and compares
+these with ``differences``.
+
+The rule for what may differ (documented on the command line page): a line of output is
+compared after masking what no run repeats (hexadecimal addresses, temporary names
+``tmpXXXXXXXX``, durations with a unit); beyond that, a line or a file that differs
+between the two runs as written is the script's own variation and is not compared (it is
+named). Checkpoints are compared by their tensors, TensorBoard event files by their
+values and steps (not their wall times), a ``Saver``'s ``.meta`` by the script's own ops
+(the compiled programs and random streams multistep adds to the graph left out), other
+files byte for byte.
+"""
+
+import hashlib
+import os
+import re
+import shutil
+
+__all__ = ["COPY_LIMIT", "copyable", "differences", "files_written", "snapshot", "working_copy"]
+
+COPY_LIMIT = 256 * 2 ** 20  # a working directory larger than this is not copied
+_MASKS = [(re.compile(r"0x[0-9a-fA-F]+"), "0x…"), (re.compile(r"tmp[a-z0-9_]{8}"), "tmp…"),
+          (re.compile(r"\d+(\.\d+)?(e-?\d+)?\s?(ns|µs|us|ms|s|sec|secs|seconds|min)\b"),
+           "…s")]
+
+
+def copyable(folder):
+    """Whether the files under ``folder`` (links not followed) are COPY_LIMIT or less."""
+    size = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            size += 0 if os.path.islink(path) else os.path.getsize(path)
+            if size > COPY_LIMIT:
+                return False
+    return True
+
+
+def working_copy(source, target):
+    """Copies the folder ``source`` to ``target`` (returns True), or, above COPY_LIMIT,
+    copies nothing and returns False (the runs then share ``source``)."""
+    if not copyable(source):
+        return False
+    shutil.copytree(source, target, symlinks=True)
+    return True
+
+
+def snapshot(folder):
+    """{path under ``folder``: its bytes' digest} (what ``files_written`` compares with)."""
+    return _snapshot(folder)
+
+
+def _snapshot(folder):
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                out[os.path.relpath(path, folder)] = _digest(path)
+    return out
+
+
+def _digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def files_written(folder, before):
+    """{name: what it holds} of each file under ``folder`` that is new or changed since
+    ``before`` (``_snapshot`` of the folder it was copied from): a checkpoint by its
+    tensors, an event file by its values, others by their bytes' digest."""
+    now = _snapshot(folder)
+    changed = sorted(k for k, v in now.items() if before.get(k) != v)
+    out, checkpoints = {}, set()
+    for name in changed:
+        base = os.path.basename(name)
+        if base.startswith("events.out.tfevents."):
+            key = os.path.join(os.path.dirname(name), "events.out.tfevents.*")
+            out[key] = out.get(key, ()) + _events(os.path.join(folder, name))
+        elif name.endswith(".meta"):
+            out[name] = _meta_graph(os.path.join(folder, name))
+        elif name.endswith(".index") or ".data-" in base:
+            checkpoints.add(re.sub(r"(\.index|\.data-\d+-of-\d+)$", "", name))
+        else:
+            out[name] = now[name]
+    for prefix in sorted(checkpoints):
+        out[prefix + " (checkpoint)"] = _tensors(os.path.join(folder, prefix))
+    return out
+
+
+def _events(path):
+    import tensorflow as tf
+
+    found = []
+    for event in tf.compat.v1.train.summary_iterator(path):
+        for value in event.summary.value:
+            found.append((event.step, value.tag, value.simple_value,
+                          value.tensor.SerializeToString()))
+    return tuple(found)
+
+
+def _meta_graph(path):
+    """A ``Saver``'s MetaGraph, by the script's own ops (name and type): under ``multistep
+    run`` the graph also holds the compiled programs (``deferred_k/``) and the random
+    streams (``<op>_stream/``, which the rewired ops' consumers read), which the rule
+    leaves out; the collections, by the names of what they hold."""
+    import tensorflow as tf
+
+    meta = tf.compat.v1.MetaGraphDef()
+    with open(path, "rb") as f:
+        meta.ParseFromString(f.read())
+    ours = re.compile(r"^deferred_\d+/|_stream/|^multistep/")
+    nodes = tuple(sorted((n.name, n.op) for n in meta.graph_def.node if not ours.search(n.name)))
+    collections = tuple(sorted((k, tuple(v.node_list.value) + tuple(v.bytes_list.value))
+                               for k, v in meta.collection_def.items()))
+    return nodes, collections
+
+
+def _tensors(prefix):
+    import tensorflow as tf
+
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+    except Exception as error:  # noqa: BLE001 (a checkpoint cut short: its error is what it holds)
+        return f"unreadable: {type(error).__name__}"
+    return tuple((name, reader.get_tensor(name).tobytes())
+                 for name in sorted(reader.get_variable_to_shape_map()))
+
+
+def _masked(line):
+    for pattern, mask in _MASKS:
+        line = pattern.sub(mask, line)
+    return line
+
+
+def differences(first, second, fused):
+    """(the first difference between the run as written and under ``multistep run`` that
+    the rule compares, as a sentence, or None; what was not compared, as a list).
+    Each argument: {"stdout": str, "files": files_written(...)}."""
+    skipped = []
+    lines = [[_masked(line) for line in r["stdout"].splitlines()] for r in (first, second, fused)]
+    varying = {i for i, (a, b) in enumerate(zip(lines[0], lines[1])) if a != b}
+    if len(lines[0]) != len(lines[1]):
+        skipped.append("standard output (its line count differs between the runs as written)")
+    else:
+        if varying:
+            skipped.append(f"{len(varying)} line(s) of standard output that differ between "
+                           f"the runs as written")
+        if len(lines[2]) != len(lines[0]):
+            return (f"the script printed {len(lines[0])} lines as written and "
+                    f"{len(lines[2])} under multistep run", skipped)
+        for i, (a, b) in enumerate(zip(lines[0], lines[2])):
+            if i not in varying and a != b:
+                return (f"line {i + 1} of its standard output differs: {a!r} as written, "
+                        f"{b!r} under multistep run", skipped)
+    files = [r["files"] for r in (first, second, fused)]
+    own = sorted(k for k in set(files[0]) | set(files[1]) if files[0].get(k) != files[1].get(k))
+    if own:
+        skipped.append(f"files that differ between the runs as written: {', '.join(own[:3])}"
+                       + (" …" if len(own) > 3 else ""))
+    for name in sorted(set(files[0]) | set(files[2])):
+        if name in own:
+            continue
+        if name not in files[2]:
+            return f"the script wrote {name} as written, not under multistep run", skipped
+        if name not in files[0]:
+            return f"the script wrote {name} under multistep run, not as written", skipped
+        if files[0][name] != files[2][name]:
+            return f"the file {name} it wrote differs", skipped
+    return None, skipped
