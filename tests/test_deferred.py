@@ -9,6 +9,7 @@ that ran one step a call, or that fused across a barrier, fails.
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -525,3 +526,68 @@ def test_multistep_verify_compares_output_and_files_in_a_working_copy_of_its_own
                                      "written, 'the last loss is not a float'") in line.stdout
     file = _verify_in(tmp_path, script, "--steps", 4, "--", "file")
     assert file.returncode == 1 and "the file kind.json it wrote differs" in file.stdout
+
+
+def test_a_lazy_value_answers_as_the_value_session_run_returns():
+    # What the loop's Python asks of a fetched value, as written and deferred (on the
+    # previous main: isinstance/np.isscalar/numbers False, the JSON encoder raised, a
+    # pickle named multistep, lg[0] = 0 raised, out= and += with an alias gave other
+    # values, saver.save(global_step=<fetched step>) raised).
+    import copy
+    import json
+    import numbers
+    import pickle
+    import tempfile
+
+    class NumpyEncoder(json.JSONEncoder):  # (the one public scripts paste)
+        def default(self, o):
+            if isinstance(o, np.floating):
+                return float(o)
+            if isinstance(o, np.ndarray):
+                return o.tolist()
+            return super().default(o)
+
+    def loop(make_session):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 3])
+            w = v1.get_variable("w", [3, 2], initializer=v1.ones_initializer())
+            logits = tf.matmul(x, w)
+            loss = tf.reduce_mean(tf.square(logits))
+            step = v1.train.get_or_create_global_step()
+            train = v1.train.GradientDescentOptimizer(0.01).minimize(loss, global_step=step)
+            saver = v1.train.Saver()
+            init = v1.global_variables_initializer()
+        sess = make_session(graph)
+        sess.run(init)
+        seen = []
+        for i in range(6):
+            _, value, lg, at = sess.run([train, loss, logits, step], {x: BATCH * i})
+            seen.append((isinstance(value, np.floating), isinstance(value, numbers.Number),
+                         np.isscalar(value), isinstance(lg, np.ndarray),
+                         isinstance(at, (numbers.Integral, np.integer))))
+            if i == 2:
+                seen.append(json.dumps({"loss": value, "logits": lg}, cls=NumpyEncoder))
+                seen.append(b"multistep" in pickle.dumps(value))
+                seen.append(type(pickle.loads(pickle.dumps(value))).__name__)
+                seen.append(type(copy.deepcopy(lg)).__name__)
+                alias = lg
+                lg[0, 0] = 5.0
+                np.clip(lg, 0.0, 1.0, out=lg)
+                lg += 1
+                seen.append(np.asarray(alias).tolist())
+                seen.append(hash(value) == hash(np.float32(value)))
+                with graph.as_default():  # (this process executes eagerly outside it)
+                    path = saver.save(sess, os.path.join(tempfile.mkdtemp(), "m"),
+                                      global_step=at)
+                seen.append(os.path.basename(path).startswith("m-"))
+        return seen, sess
+
+    want, _ = loop(lambda g: v1.Session(graph=g))
+    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    assert got == want
+    # the isinstance checks ran nothing (the type is known from the fetch); the JSON line
+    # at step 3 read values: steps 1-3 one run, 4-6 pending until the flush
+    assert sess.report().runs == 1
+    sess.flush()
+    assert (sess.report().steps, sess.report().runs) == (6, 2)

@@ -125,6 +125,7 @@ class _Kind:
     unread: frozenset  # the indices of fed keys the step does not read (dropped)
     remapped: bool = False  # a fetch is a random op's own output: flat holds its stream's
     direct: str = None  # why its steps run as written, one at a time (None: deferred)
+    types: list = None  # the type Session.run returns for each fetch (None: not known)
     held: list = dataclasses.field(default_factory=list)
     last: object = None  # the last _Record of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
@@ -269,9 +270,7 @@ class _Engine:
         this program kept as it is (carried), any other lazy value forced."""
         feed = []
         for key, value in zip(kind.keys, (feed_dict or {}).values()):
-            if isinstance(value, np.ndarray):
-                value = value.copy()
-            elif isinstance(value, lazy_lib.Lazy):
+            if type(value) is lazy_lib.Lazy:  # (first: it answers isinstance as its value)
                 if value._owner is not self:  # noqa: SLF001
                     raise ValueError(
                         f"multistep.deferred: the value fed to {_key_name(key)!r} is a lazy "
@@ -280,6 +279,8 @@ class _Engine:
                         f"returns it.")
                 if self._carried_from(kind, value) is None:
                     value = value._force()  # noqa: SLF001 (runs the steps it needs)
+            elif isinstance(value, np.ndarray):
+                value = value.copy()
             elif not isinstance(value, (int, float, bool, str, bytes, np.generic)):
                 value = copy.deepcopy(value)
             feed.append(value)
@@ -317,7 +318,8 @@ class _Engine:
         record = _Record(self, feed, site, self.calls)
         pending.records.append(record)
         kind.last = record  # (a step's feed of each program: tests compare its kernels)
-        values = [None if isinstance(f, tf.Operation) else lazy_lib.Lazy(fetch=(record, j))
+        values = [None if isinstance(f, tf.Operation) else
+                  lazy_lib.Lazy(fetch=(record, j), type_=kind.types[j])
                   for j, f in enumerate(kind.flat)]
         if len(pending.records) == self.steps:
             self.flush()
@@ -486,7 +488,20 @@ def _classify(graph, fetches, feed_dict):
     unread = frozenset(i for i, k in enumerate(keys) if not read[i])
     kind = _Kind(step, flat, keys, frozenset(reached), name, computed, unread, remapped)
     kind.direct = _as_written(reached) if step else None
+    kind.types = [_returned_type(f) for f in flat]
     return kind
+
+
+def _returned_type(fetch):
+    """The type ``Session.run`` returns for ``fetch``, known from its dtype and rank (a
+    scalar's numpy type, ``bytes``, ``np.ndarray``), or None."""
+    if not isinstance(fetch, tf.Tensor) or fetch.shape.rank is None:
+        return None
+    if fetch.dtype == tf.string:
+        return bytes if fetch.shape.rank == 0 else np.ndarray
+    if not fetch.dtype.is_numpy_compatible or fetch.dtype in (tf.resource, tf.variant):
+        return None
+    return fetch.dtype.as_numpy_dtype if fetch.shape.rank == 0 else np.ndarray
 
 
 # A step that calls Python: its Python must run when the loop's does (it may read what the

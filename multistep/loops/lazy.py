@@ -5,9 +5,16 @@ it along keeps it lazy: arithmetic (``avg_cost += c / total_batch``), numpy ufun
 array functions (``np.power(pred - rates, 2)``), indexing. Python that looks at it forces
 it, which runs the pending steps first: ``float``/``int``/``bool``, comparisons,
 formatting (f-strings, ``%``, ``str``, ``repr``), ``len``, iteration, ``np.asarray``,
-any attribute (``.shape``, ``.item()``). ``ms.value(x)`` forces explicitly. A forced
-fetch is exactly the object ``Session.run`` returns (an ``np.float32`` scalar, an
-``ndarray``, ``bytes`` for a summary); pickling a ``Lazy`` pickles that object.
+any attribute (``.shape``, ``.item()``), item assignment and in-place operators (on the
+array the loop's aliases share). ``ms.value(x)`` forces explicitly. A forced fetch is
+exactly the object ``Session.run`` returns (an ``np.float32`` scalar, an ``ndarray``,
+``bytes`` for a summary); pickling or copying a ``Lazy`` pickles or copies that object.
+
+A fetched value answers ``isinstance`` as that object does (its ``__class__`` is the
+type ``Session.run`` returns, known from the fetch's dtype and rank), without running
+anything: ``isinstance(loss, np.floating)``, ``numbers.Number``, ``np.isscalar``, a JSON
+encoder's checks. What Python cannot be told: ``type(x)`` is ``Lazy``, and a C function
+that takes only ``bytes`` (``Summary.FromString``) refuses it (``ms.value(x)`` first).
 """
 
 import operator
@@ -33,18 +40,19 @@ class Lazy:
     """A value of a deferred step (or computed from one) that is not known yet."""
 
     __slots__ = ("_fetch", "_fn", "_args", "_kwargs", "_lazies", "_value", "_error", "_done",
-                 "_owner", "__weakref__")
+                 "_owner", "_type", "__weakref__")
 
-    def __init__(self, fetch=None, fn=None, args=(), kwargs=None):
+    def __init__(self, fetch=None, fn=None, args=(), kwargs=None, type_=None):
         # fetch: (record, index) of a deferred step's fetch; fn/args: a derived value
         self._fetch, self._fn, self._args, self._kwargs = fetch, fn, args, kwargs or {}
         self._value = self._error = None
         self._done = False
+        self._type = type_  # the type Session.run returns for it, where known before it runs
         # _owner: the session whose steps it comes from (record.engine), for a feed's check
         if fetch is not None:
             self._lazies, self._owner = (), fetch[0].engine
         else:
-            self._lazies = tuple(a for a in _flat(args, self._kwargs) if isinstance(a, Lazy))
+            self._lazies = tuple(a for a in _flat(args, self._kwargs) if type(a) is Lazy)
             self._owner = next((a._owner for a in self._lazies), None)
 
     # -- forcing -----------------------------------------------------------------------
@@ -89,6 +97,23 @@ class Lazy:
         if self._error is not None:
             raise self._error
         return self._value
+
+    # -- what it is ----------------------------------------------------------------------
+
+    @property
+    def __class__(self):
+        """The class of the value it stands for: ``isinstance(loss, np.floating)``,
+        ``numbers.Number``, ``np.isscalar`` and a JSON encoder's checks see what they see
+        as written. Known from the fetch's dtype and rank without running anything; a
+        derived value's is known once computed (asking for it reads the value)."""
+        if self._done and self._error is None:
+            return type(self._value)
+        if self._type is not None:
+            return self._type
+        return type(self._force())
+
+    def __reduce_ex__(self, protocol):  # pickle and copy: the value itself (no multistep)
+        return self._force().__reduce_ex__(protocol)
 
     # -- what forces -------------------------------------------------------------------
 
@@ -157,8 +182,8 @@ class Lazy:
             raise AttributeError(name)  # (copy, pickle and numpy probe for protocols)
         return getattr(self._force(), name)
 
-    def __reduce__(self):
-        return _identity, (self._force(),)
+    def __setitem__(self, key, value):  # (an array's item: written where every alias sees it)
+        self._force()[key] = _plain(value)
 
     # -- what stays lazy ---------------------------------------------------------------
 
@@ -168,7 +193,14 @@ class Lazy:
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if method != "__call__" or "out" in kwargs:
             inputs = [_force(x) for x in inputs]
-            return getattr(ufunc, method)(*inputs, **kwargs)
+            out = kwargs.get("out")
+            if out is not None:  # written into the arrays the lazy values stand for
+                kwargs["out"] = tuple(_force(o) for o in (out if isinstance(out, tuple)
+                                                          else (out,)))
+            result = getattr(ufunc, method)(*inputs, **kwargs)
+            if out is not None:  # (numpy returns the out arrays: the loop's own objects)
+                return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+            return result
         return derive(ufunc, *inputs, **kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
@@ -191,6 +223,17 @@ for _name, _op in [("add", operator.add), ("sub", operator.sub), ("mul", operato
     _forward, _reflected = _binary(_op)
     setattr(Lazy, f"__{_name}__", _forward)
     setattr(Lazy, f"__r{_name}__", _reflected)
+def _in_place(op):
+    def apply(self, other):
+        value = self._force()
+        result = op(value, _plain(other))
+        return self if result is value else result  # (an array in place; a scalar: a new one)
+    return apply
+
+
+for _name in ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+              "xor", "lshift", "rshift"]:
+    setattr(Lazy, f"__i{_name}__", _in_place(getattr(operator, f"i{_name}")))
 for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs),
                    ("invert", operator.invert)]:
     setattr(Lazy, f"__{_name}__", lambda self, _op=_op: derive(_op, self))
@@ -199,7 +242,7 @@ for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operato
 def derive(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on the values the lazy arguments stand for: computed now
     if none is pending, else a ``Lazy`` computed when they are."""
-    if not any(isinstance(a, Lazy) and not a._resolved() for a in _flat(args, kwargs)):
+    if not any(type(a) is Lazy and not a._resolved() for a in _flat(args, kwargs)):
         return fn(*[_force(a) for a in args], **{k: _force(v) for k, v in kwargs.items()})
     result = Lazy(fn=fn, args=args, kwargs=kwargs)
     _WAITING.append(weakref.ref(result))
@@ -255,7 +298,7 @@ def value(x):
       >>> ms.value([1.0, {"a": 2}])
       [1.0, {'a': 2}]
     """
-    if isinstance(x, Lazy):
+    if type(x) is Lazy:
         return x._force()
     if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
         return type(x)(value(v) for v in x)
@@ -268,13 +311,15 @@ def value(x):
 
 def is_pending(x):
     """Whether ``x`` is a ``Lazy`` whose value is not known yet."""
-    return isinstance(x, Lazy) and not x._resolved()
+    return type(x) is Lazy and not x._resolved()
 
 
 def _flat(args, kwargs):
     out = []
     for a in list(args) + list(kwargs.values()):
-        if isinstance(a, (list, tuple)):
+        if type(a) is Lazy:  # (first: isinstance of another class would ask its __class__)
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
             out += _flat(a, {})
         elif isinstance(a, dict):
             out += _flat((), a)
@@ -285,7 +330,7 @@ def _flat(args, kwargs):
 
 def _force(x):
     """``x`` with every ``Lazy`` in it (in lists, tuples, dicts) forced."""
-    if isinstance(x, Lazy):
+    if type(x) is Lazy:
         return x._force()
     if isinstance(x, (list, tuple, dict)):
         return value(x)
@@ -293,8 +338,5 @@ def _force(x):
 
 
 def _plain(x):
-    return x._force() if isinstance(x, Lazy) else x
+    return x._force() if type(x) is Lazy else x
 
-
-def _identity(x):
-    return x
