@@ -591,3 +591,29 @@ def test_a_lazy_value_answers_as_the_value_session_run_returns():
     assert sess.report().runs == 1
     sess.flush()
     assert (sess.report().steps, sess.report().runs) == (6, 2)
+
+
+def test_the_pending_steps_run_before_os_exit(tmp_path):
+    # exit_early.py's step writes the global step to a file; it makes 3 steps and calls
+    # os._exit (atexit does not run). On the previous main the 3 steps were still pending
+    # and never ran: no file.
+    written = subprocess.run([sys.executable, str(SCRIPTS / "exit_early.py"),
+                              str(tmp_path / "written")], capture_output=True, timeout=600)
+    fused = _multistep("run", "--steps", 4, SCRIPTS / "exit_early.py", tmp_path / "fused")
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert (tmp_path / "written").read_text() == (tmp_path / "fused").read_text() == "3"
+
+
+def test_a_step_that_prints_runs_when_the_loop_does():
+    # tf.print in the step: its line must come where the loop's own output does
+    graph, x, w, loss, train, init = _model()
+    with graph.as_default():
+        with tf.control_dependencies([tf.print("loss", loss)]):
+            printed = tf.identity(loss)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess.run(init)
+    for _ in range(3):
+        sess.run([train, printed], {x: BATCH})
+    report = sess.report()
+    assert report.runs == 0 and sum(report.direct.values()) == 3
+    assert all("the step prints ('PrintV2'" in why for why in report.direct), report.direct

@@ -26,7 +26,8 @@ loop's pending steps first, so it sees the steps the loop made before it; no loc
 across a run that is not a compiled one.
 
 Some steps run as written, one at a time, each a line of the report: a step that calls
-Python (``py_func``, ``numpy_function``, ``py_function``), a step that dequeues from a
+Python (``py_func``, ``numpy_function``, ``py_function``), a step that prints
+(``tf.print``: its lines interleave with the loop's), a step that dequeues from a
 queue threads fill (``shuffle_batch``, ``batch`` with queue runners), and a step
 ``ms.compile`` refuses (a race the program has, an op it cannot copy). Deferring any of
 them would change what the script as written observes.
@@ -516,6 +517,11 @@ def _as_written(reached):
     if python:
         return (f"the step calls Python ({python[0]}), which must run when the loop's "
                 f"Python does")
+    prints = sorted(f"{op.name!r}{graph_lib.built_at(op)}" for op in reached
+                    if op.type in ("PrintV2", "Print"))
+    if prints:
+        return (f"the step prints ({prints[0]}): its lines come when the loop's own "
+                f"output does")
     queues = sorted(f"{op.name!r}{graph_lib.built_at(op)}" for op in reached
                     if op.type.startswith("QueueDequeue"))
     if queues:
@@ -907,3 +913,14 @@ def _install():
         _ORIGINAL[key] = getattr(owner, name)
         setattr(owner, name, patched)
     atexit.register(flush_all)
+    _ORIGINAL["os._exit"] = os._exit
+    os._exit = _exit  # (atexit does not run at os._exit)
+
+
+def _exit(status):
+    """``os._exit``: the pending steps run first (as written they ran before it)."""
+    try:
+        flush_all(f"os._exit at {_site()}")
+    except BaseException:  # noqa: BLE001 (a failed step: the exit goes on, as written)
+        pass
+    _ORIGINAL["os._exit"](status)

@@ -223,17 +223,21 @@ for _name, _op in [("add", operator.add), ("sub", operator.sub), ("mul", operato
     _forward, _reflected = _binary(_op)
     setattr(Lazy, f"__{_name}__", _forward)
     setattr(Lazy, f"__r{_name}__", _reflected)
-def _in_place(op):
+def _in_place(op, binary):
     def apply(self, other):
-        value = self._force()
-        result = op(value, _plain(other))
-        return self if result is value else result  # (an array in place; a scalar: a new one)
+        if self._type is not np.ndarray and not (self._done and isinstance(self._value,
+                                                                            np.ndarray)):
+            return derive(binary, self, other)  # a scalar rebinds, as written: stays lazy
+        value = self._force()  # an array: written in place, where every alias sees it
+        op(value, _plain(other))
+        return self
     return apply
 
 
 for _name in ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
               "xor", "lshift", "rshift"]:
-    setattr(Lazy, f"__i{_name}__", _in_place(getattr(operator, f"i{_name}")))
+    _binary_op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
+    setattr(Lazy, f"__i{_name}__", _in_place(getattr(operator, f"i{_name}"), _binary_op))
 for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs),
                    ("invert", operator.invert)]:
     setattr(Lazy, f"__{_name}__", lambda self, _op=_op: derive(_op, self))
