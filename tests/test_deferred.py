@@ -617,3 +617,33 @@ def test_a_step_that_prints_runs_when_the_loop_does():
     report = sess.report()
     assert report.runs == 0 and sum(report.direct.values()) == 3
     assert all("the step prints ('PrintV2'" in why for why in report.direct), report.direct
+
+
+def test_a_monitored_session_takes_the_inputs_end_as_written(tmp_path):
+    # A MonitoredTrainingSession over a tf.data input of 10 batches, `while not
+    # should_stop()`: as written the 11th run's OutOfRangeError ends the loop, the session
+    # swallows it at the with's end, runs its hooks' end() (the final checkpoint) and the
+    # script goes on. On the previous main the error escaped the with.
+    def loop(defer, folder):
+        graph = tf.Graph()
+        with graph.as_default():
+            data = tf.data.Dataset.from_tensor_slices(
+                np.arange(40, dtype=np.float32).reshape(10, 2, 2) / 40)
+            x = v1.data.make_one_shot_iterator(data).get_next()
+            w = v1.get_variable("w", [2, 1], initializer=v1.ones_initializer())
+            loss = tf.reduce_mean(tf.square(x @ w))
+            step = v1.train.get_or_create_global_step()
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+            sess = v1.train.MonitoredTrainingSession(
+                checkpoint_dir=str(folder), save_checkpoint_secs=None,
+                save_checkpoint_steps=1000, save_summaries_steps=None,
+                log_step_count_steps=None)
+            if defer:
+                sess = ms.deferred(sess, steps=4)
+            with sess:
+                while not sess.should_stop():
+                    sess.run(train)
+        reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(folder)))
+        return reader.get_tensor("global_step"), reader.get_tensor("w").tobytes()
+
+    assert loop(True, tmp_path / "deferred") == loop(False, tmp_path / "written")

@@ -694,10 +694,23 @@ class DeferredSession(session_lib.SessionInterface):
 
     def __exit__(self, *exc):
         try:
-            self.close()
+            if not hasattr(self._wrapped, "_close_internal"):
+                self.close()
+                return None
+            # a MonitoredSession: the pending steps first, then its own exit, which takes
+            # the input's end (OutOfRangeError), raised in the with or by those steps, as
+            # the end of training (its hooks' end() run, nothing raised), as written
+            try:
+                self._engine.close()
+            except tf.errors.OutOfRangeError as error:
+                exc = exc if exc[0] is not None else (type(error), error, error.__traceback__)
+            except BaseException as error:
+                self._wrapped.__exit__(type(error), error, error.__traceback__)
+                raise
+            return self._wrapped.__exit__(*exc)
         finally:
             for manager in reversed(self._default or ()):
-                manager.__exit__(*exc)
+                manager.__exit__(None, None, None)
             self._default = None
 
     def __getattr__(self, name):
