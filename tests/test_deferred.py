@@ -646,4 +646,7 @@ def test_a_monitored_session_takes_the_inputs_end_as_written(tmp_path):
         reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(folder)))
         return reader.get_tensor("global_step"), reader.get_tensor("w").tobytes()
 
-    assert loop(True, tmp_path / "deferred") == loop(False, tmp_path / "written")
+    try:
+        assert loop(True, tmp_path / "deferred") == loop(False, tmp_path / "written")
+    finally:
+        v1.summary.FileWriterCache.clear()  # (the sessions' event writers and their threads)
