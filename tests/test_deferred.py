@@ -650,3 +650,34 @@ def test_a_monitored_session_takes_the_inputs_end_as_written(tmp_path):
         assert loop(True, tmp_path / "deferred") == loop(False, tmp_path / "written")
     finally:
         v1.summary.FileWriterCache.clear()  # (the sessions' event writers and their threads)
+
+
+def test_a_step_read_every_step_runs_as_written_and_feed_key_order_is_one_program():
+    # (1) a loop that reads its loss as soon as each step runs: after READ_AT_ONCE
+    # one-step runs in a row, the rest run as written (on the previous main every step
+    # was a compiled run of one step: the deferral's cost for nothing). (2) feed dicts
+    # whose keys alternate in order: one program (on the previous main, two programs,
+    # every run of one step).
+    from multistep.loops.deferred import READ_AT_ONCE
+
+    graph, x, w, loss, train, init = _model()
+    with graph.as_default():
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        fitted = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        fit = v1.train.GradientDescentOptimizer(0.1).minimize(fitted)
+    target = np.ones([2, 1], np.float32)
+
+    def loop(sess):
+        sess.run(init)
+        read = [float(sess.run([train, loss], {x: BATCH})[1]) for _ in range(20)]
+        lazy = [sess.run([fit, fitted], {x: BATCH, y: target} if i % 2 else
+                         {y: target, x: BATCH})[1] for i in range(8)]
+        return read + [float(v) for v in ms.value(lazy)] + [sess.run(w).tobytes()]
+
+    want = loop(v1.Session(graph=graph))
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    assert loop(sess) == want
+    report = sess.report()
+    assert sum(report.direct.values()) == 20 - READ_AT_ONCE
+    assert all("read as soon as it runs" in why for why in report.direct), report.direct
+    assert (report.steps, report.runs) == (READ_AT_ONCE + 8, READ_AT_ONCE + 2)

@@ -66,6 +66,9 @@ _LIBRARY_DIRS = (_TF_DIR, os.path.dirname(os.path.abspath(np.__file__)) + os.sep
 # TensorFlow's optimizer kernels: a run whose fetches reach one is a training step.
 _APPLY_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
 
+# A step read as soon as it runs this many times in a row runs as written from then on:
+# deferring a value read at once only adds the deferral's cost.
+READ_AT_ONCE = 8
 _ENGINES = weakref.WeakKeyDictionary()  # raw tf.compat.v1.Session -> _Engine
 _ALL = []  # every _Engine made, in order (small: an engine holds its session weakly)
 _ORIGINAL = {}  # BaseSession method name -> TensorFlow's own
@@ -127,6 +130,7 @@ class _Kind:
     remapped: bool = False  # a fetch is a random op's own output: flat holds its stream's
     direct: str = None  # why its steps run as written, one at a time (None: deferred)
     types: list = None  # the type Session.run returns for each fetch (None: not known)
+    read_at_once: int = 0  # its runs in a row of one step, each ended by a read of it
     held: list = dataclasses.field(default_factory=list)
     last: object = None  # the last _Record of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
@@ -182,9 +186,10 @@ class _Engine:
         with self.lock:
             self.calls += 1
             site = _site()
-            kind = self._kind(fetches, feed_dict)
+            kind, order = self._kind(fetches, feed_dict)
             if kind.step and kind.direct is None and not _meaningful(options):
-                return self._defer(kind, self._copied_feed(kind, feed_dict), site, fetches)
+                return self._defer(kind, self._copied_feed(kind, feed_dict, order), site,
+                                   fetches)
             if kind.step and kind.direct is not None:  # a step that must run as written
                 self.flush(f"a step run as written at {site}")
                 self.direct[f"{kind.direct} (the run at {site})"] += 1
@@ -205,6 +210,14 @@ class _Engine:
                 return
             if cause is not None and len(pending.records) < self.steps:
                 self.causes[cause] += 1
+            kind = pending.kind
+            if len(pending.records) == 1 and (cause or "").startswith("a read of a value"):
+                kind.read_at_once += 1  # (a site that reads each step as soon as it runs:
+                if kind.read_at_once == READ_AT_ONCE and kind.direct is None:  # as written)
+                    kind.direct = (f"its values are read as soon as it runs, step after step "
+                                   f"(at {cause.rpartition(' at ')[2]}): it runs as written")
+            else:
+                kind.read_at_once = 0
             self._run_pending(pending)
 
     def force(self, record):
@@ -252,25 +265,36 @@ class _Engine:
             self.local.depth -= 1
 
     def _kind(self, fetches, feed_dict):
+        """(the ``_Kind`` of a run, the order of its feed dict's values in the kind's keys:
+        None where it is theirs). Feed dicts that differ only in their keys' order are one
+        kind, one program."""
         fast = (_structure_key(fetches), tuple(map(id, feed_dict or ())))
-        kind = self.kinds.get(fast)
-        if kind is None:
+        known = self.kinds.get(fast)
+        if known is None:
             kind = _classify(self.session.graph, fetches, feed_dict)
             kind = self.canonical.setdefault(kind.name, kind)
+            names = [_key_name(k) for k in _graph_keys(self.session.graph, feed_dict)]
+            order = tuple(names.index(_key_name(k)) for k in kind.keys)
             if len(self.kinds) > 4096:  # fetch lists of fresh strings: keep the cache small
                 self.kinds.clear()
-                for known in self.canonical.values():
-                    known.held.clear()
-            self.kinds[fast] = kind
+                for canonical in self.canonical.values():
+                    canonical.held.clear()
+            known = self.kinds[fast] = (kind, None if order == tuple(range(len(order)))
+                                        else order)
             kind.held.append((fetches, list(feed_dict or ())))  # keeps the key's ids alive
-        return kind
+        return known
 
-    def _copied_feed(self, kind, feed_dict):
-        """The feed of one step run, as a list in the order of ``kind.keys``, each value
-        copied (the loop may reuse its buffers); a lazy value of the last pending step of
-        this program kept as it is (carried), any other lazy value forced."""
+    def _copied_feed(self, kind, feed_dict, order=None):
+        """The feed of one step run, as a list in the order of ``kind.keys`` (``order``:
+        where each is among the feed dict's values, None: in order), each value copied
+        (the loop may reuse its buffers); a lazy value of the last pending step of this
+        program kept as it is (carried), any other lazy value forced."""
         feed = []
-        for key, value in zip(kind.keys, (feed_dict or {}).values()):
+        values = (feed_dict or {}).values()
+        if order is not None:
+            values = list(values)
+            values = [values[i] for i in order]
+        for key, value in zip(kind.keys, values):
             if type(value) is lazy_lib.Lazy:  # (first: it answers isinstance as its value)
                 if value._owner is not self:  # noqa: SLF001
                     raise ValueError(
@@ -476,12 +500,12 @@ def _classify(graph, fetches, feed_dict):
                                       for f in flat)
     if remapped:  # a fetch of a random op's own output: its shared stream's draw
         flat = [replaced.get(f.ref(), f) if isinstance(f, tf.Tensor) else f for f in flat]
-    keys = tuple(k if isinstance(k, tf.SparseTensor) else graph.as_graph_element(k)
-                 for k in (feed_dict or ()))
+    keys = tuple(_graph_keys(graph, feed_dict))
     reached = graph_lib.ancestors([getattr(f, "op", f) for f in flat])
     step = any(op.type.startswith(_APPLY_PREFIXES) for op in reached) or (
         any(graph_lib.is_write(op) for op in reached)
         and any("gradients" in op.name.split("/") for op in reached))
+    keys = tuple(sorted(keys, key=_key_name))  # (the order of a feed dict's keys: not a kind)
     name = (_structure_key(fetches, leaf=lambda f: graph.as_graph_element(f).name),
             tuple(_key_name(k) for k in keys))
     read = [isinstance(k, tf.SparseTensor) or k.op in reached for k in keys]
@@ -534,6 +558,12 @@ def _first_sentences(text, most=400):
     """``text`` cut after the sentence that passes ``most`` characters."""
     end = text.find(". ", most)
     return text if end < 0 else text[:end + 1]
+
+
+def _graph_keys(graph, feed_dict):
+    """The fed keys of ``feed_dict`` as graph elements, in its order."""
+    return [k if isinstance(k, tf.SparseTensor) else graph.as_graph_element(k)
+            for k in (feed_dict or ())]
 
 
 def _key_name(key):
