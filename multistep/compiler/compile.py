@@ -589,6 +589,27 @@ Built = collections.namedtuple("Built", "values train_op run_length inputs carri
                                         "program partial placeholders")
 
 
+def _warn_unordered_fetches(at_end, copied, label):
+    """Warns of each fetched read of a resource variable that the step writes with no
+    order between them (``sess.run([train, global_step])``): a single ``sess.run``
+    returns the value before or after the write by TensorFlow's schedule, run by run (seen
+    both ways in fresh processes of one script); the compiled steps return it after."""
+    written = graph_lib.written_variables(copied)
+    racing = [t for t in at_end if t.op.type == "ReadVariableOp"
+              and graph_lib.source_op(t.op.inputs[0]) in written]
+    if racing:
+        names = graph_lib.named_few(repr(written[graph_lib.source_op(t.op.inputs[0])])
+                                    for t in racing)
+        warnings.warn(
+            f"{label}: {names} {'is' if len(racing) == 1 else 'are'} fetched beside the "
+            f"step's write of it, with no order "
+            f"between them: a single sess.run returns the value before or after the write "
+            f"as TensorFlow schedules it, run by run; each compiled step returns it after. "
+            f"For one answer, fetch it in a run of its own, or fetch a read built under "
+            f"tf.control_dependencies([train_op]).",
+            RuntimeWarning, stacklevel=graph_lib.user_stacklevel())
+
+
 def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_length=None,
           done=None, xla=False, strip=None, random="refuse", finish=None, stop=None,
           dynamic=frozenset(), before=None):
@@ -676,6 +697,7 @@ def build(roots, steps, label, mode, *, feeds=None, given=None, links=None, run_
     template = template_of(copied, fed + sorted(internal, key=lambda op: op._id),  # noqa: SLF001
                            strip, label, skip={w.name for w in wires})
     template = template._replace(at_end=state_fetches(roots, copied))
+    _warn_unordered_fetches(template.at_end, copied, label)
     _warn_sum_order(copied, {p.name for p in fed}, template,
                     f"{label}/step_1" if mode == "unrolled" else f"{label}/loop/body/step", label)
     if xla:  # conds and loops built in a graph are lowered to Switch/Merge: XLA takes them whole
