@@ -387,13 +387,14 @@ class _Engine:
             links = next((dict(key[1]) for key in self.programs
                           if key[0] == kind.name and set(computed) <= set(dict(key[1]))), links)
             computed = [i for i in computed if i not in links]
-        try:
-            program = self._program(kind, links, len(records))
-        except (ValueError, NotImplementedError) as refusal:  # ms.compile refuses the step:
-            # it runs as written, and the report says why
-            kind.direct = (f"ms.compile refuses this step: "
-                           f"{_first_sentences(str(refusal))}")
-            computed = [None]
+        if not computed:
+            try:
+                program = self._program(kind, links, len(records))
+            except (ValueError, NotImplementedError) as refusal:  # ms.compile refuses the
+                # step: it runs as written, and the report says why
+                kind.direct = (f"ms.compile refuses this step: "
+                               f"{_first_sentences(str(refusal))}")
+                computed = [None]
         if computed:  # the steps one at a time, as written
             reason = (kind.direct if kind.direct is not None else
                       f"{kind.keys[computed[0]].name} is fed and not carried (not a value of "
