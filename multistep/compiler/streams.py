@@ -35,6 +35,7 @@ import tensorflow as tf
 from tensorflow.python.client import session as session_lib
 
 from multistep import _session_hook
+from multistep import graph as graph_lib
 
 __all__ = ["REPRODUCED", "Streams", "kept", "share", "replaced", "streams_of", "unshared"]
 
@@ -146,7 +147,7 @@ class Streams:
                     draw = self.replaced.get(tensor.ref())
                     if draw is not None and op._id > held:  # noqa: SLF001
                         op._update_input(i, draw)  # noqa: SLF001
-                if "seed2" in op.node_def.attr and op.op_def.is_stateful:
+                if graph_lib.is_stateful_random(op):
                     self._rewire(op, held)
             self.scanned = graph.version + 1  # (the ops made here: none draws)
 
