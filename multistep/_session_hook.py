@@ -17,10 +17,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["after_import", "born_after", "install", "late", "raw_run"]
+__all__ = ["after_import", "born_after", "install", "raw_run", "sessions_before"]
 
 _SESSION_MODULE = "tensorflow.python.client.session"
-_STATE = {"extend": None, "init": None, "run": None, "late": False, "every": None}
+_STATE = {"extend": None, "init": None, "run": None, "late": False, "every": None,
+          "before": None}
 # on a graph: the largest op id a session may hold (op ids run one ahead of graph.version)
 MARK = "_multistep_extended"
 # on a graph: its multistep.compiler.streams.Streams
@@ -48,10 +49,20 @@ def born_after(session):
     return getattr(session, "_multistep_born", False)
 
 
-def late():
-    """Whether the hook was installed after TensorFlow's session module had loaded (a
-    session made before then may have run unseen)."""
-    return _STATE["late"]
+def sessions_before():
+    """The live sessions made before the hook was installed (they may have run unseen):
+    found once (a walk of the garbage collector's objects), only where the hook was
+    installed after TensorFlow's session module had loaded; none can be made later."""
+    if not _STATE["late"]:
+        return ()
+    if _STATE["before"] is None:
+        import gc
+        import weakref
+
+        base = sys.modules[_SESSION_MODULE].BaseSession
+        _STATE["before"] = weakref.WeakSet(
+            o for o in gc.get_objects() if isinstance(o, base) and not born_after(o))
+    return list(_STATE["before"])
 
 
 def raw_run(session, fetches):

@@ -26,13 +26,11 @@ functions (a ``tf.function``, a v2 ``tf.cond``), and ops a session has already r
 """
 
 import contextlib
-import gc
 import threading
 import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.client import session as session_lib
 
 from multistep import _session_hook
 from multistep import graph as graph_lib
@@ -230,11 +228,8 @@ def _unfinalized(graph):
 def _held_elsewhere(graph):
     """The largest op id a live session that the hook has not seen from its birth may
     hold (0 if none): only where multistep was imported after such a session was made."""
-    if not _session_hook.late():
-        return 0
-    for obj in gc.get_objects():
-        if isinstance(obj, session_lib.BaseSession) and getattr(obj, "_graph", None) is graph and not getattr(
-                obj, "_closed", True) and not _session_hook.born_after(obj):
+    for session in _session_hook.sessions_before():
+        if getattr(session, "_graph", None) is graph and not getattr(session, "_closed", True):
             return graph.version + 1
     return 0
 
