@@ -8,6 +8,9 @@ of microseconds), shows the fixed cost's largest share. Two sessions, interleave
 by round; the ratio paired (a round's shared time over the same round's as-written
 time), medians.
 
+And what the session hook that makes the streams possible costs every run of every
+session in a process that imported multistep (the last row).
+
     taskset -c 0 python benchmarks/streams.py [--rounds 9] [--calls 300]
 """
 
@@ -18,6 +21,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import multistep  # noqa: F401 (installs the session hook)
 from multistep.compiler import streams
 
 V1 = tf.compat.v1
@@ -81,6 +85,38 @@ def main():
               f"{max(ratios):.3f})")
         for sess, _ in (plain, shared):
             sess.close()
+    hook_cost(args.rounds, args.calls * 3)
+
+
+def hook_cost(rounds, calls):
+    """What the session hook (``multistep._session_hook``: one wrapped ``_extend_graph``
+    a run) costs the smallest run there is, a constant fetched: the hook against
+    TensorFlow's own method, swapped round by round in one process, paired."""
+    from tensorflow.python.client import session as session_lib
+
+    from multistep import _session_hook
+
+    graph = tf.Graph()
+    with graph.as_default():
+        one = tf.constant(1.0) + 1.0
+    sess = V1.Session(graph=graph)
+    methods = (_session_hook._STATE["extend"], session_lib.BaseSession._extend_graph)  # noqa: SLF001
+    times, ratios = {0: [], 1: []}, []
+    for _ in range(rounds):
+        this = []
+        for which, method in enumerate(methods):
+            session_lib.BaseSession._extend_graph = method  # noqa: SLF001
+            start = time.perf_counter()
+            for _ in range(calls):
+                sess.run(one)
+            this.append((time.perf_counter() - start) / calls * 1e6)
+            times[which].append(this[-1])
+        ratios.append(this[1] / this[0])
+    session_lib.BaseSession._extend_graph = methods[1]  # noqa: SLF001
+    print(f"{'hook':6s} {statistics.median(times[0]):12.1f} {statistics.median(times[1]):12.1f} "
+          f"{statistics.median(ratios):7.3f}  (a constant's run: TensorFlow's own method, "
+          f"then the hook; paired ratios {min(ratios):.3f}-{max(ratios):.3f})")
+    sess.close()
 
 
 if __name__ == "__main__":
