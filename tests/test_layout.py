@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (rank, part): a module of a higher rank may import one of a lower rank or its own part.
 PARTS = {
     "multistep.graph": 0, "multistep._compare": 0, "multistep.choices": 0,
+    "multistep._session_hook": 0,
     "multistep.compiler": 1,
     "multistep.builder": 2,
     "multistep.loops": 3, "multistep.tf2": 3, "multistep.verify": 3,
