@@ -518,12 +518,13 @@ def test_multistep_verify_compares_output_and_files_in_a_working_copy_of_its_own
     assert "OK: 8 Session.run calls' values, 1 sessions' variables, its output and the 4 " \
            "files it wrote" in ok.stdout, ok.stdout
     assert list(tmp_path.iterdir()) == []  # (every run wrote in a copy of its own)
-    # planted: a printed line, and a file, that depend on the type of a fetched loss (a
-    # lazy value is not an np.floating): on the previous main both were called OK
+    # planted: a printed line, and a file, that hold type(loss).__name__ (Lazy deferred:
+    # type() is the one question a lazy value cannot answer as its value): on the
+    # previous main both were called OK
     line = _verify_in(tmp_path, script, "--steps", 4, "--", "line")
     assert line.returncode == 1 and ("DIFFERENT: under multistep run, line 1 of its "
-                                     "standard output differs: 'the last loss is float' as "
-                                     "written, 'the last loss is not a float'") in line.stdout
+                                     "standard output differs: 'the last loss is float32' "
+                                     "as written, 'the last loss is Lazy'") in line.stdout
     file = _verify_in(tmp_path, script, "--steps", 4, "--", "file")
     assert file.returncode == 1 and "the file kind.json it wrote differs" in file.stdout
 
