@@ -117,11 +117,11 @@ def test_r6_20_a_refusal_says_how_many_more_ops_it_did_not_name():
         x = v1.placeholder(tf.float32, [None, 3])
         w = v1.get_variable("w", [3, 1])
         h = tf.matmul(x, w)
-        for k in range(5):
-            h = tf.nn.dropout(h, rate=0.1, seed=k)
+        for k in range(5):  # (samplers: no stateless op continues their streams)
+            h = h + tf.cast(tf.random.categorical(h, 1, seed=k), tf.float32)
         loss = tf.reduce_mean(h)
         train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-        with pytest.raises(ValueError, match=r"stateful random ops \(.* and 2 more\)"):
+        with pytest.raises(ValueError, match=r"Multinomial\) and 4 more random ops draw"):
             ms.compile([loss, train], steps=2, mode="unrolled")
 
 
@@ -397,9 +397,13 @@ def test_r6_05_a_draw_inside_a_cond_or_a_tf_function_is_warned_once_a_session(wh
                 fused.run(sess, {x: data})
                 fused.run(sess, {x: data})
             said = [str(c.message) for c in caught if c.category is OriginalOpRanWarning]
-            assert not quiet and len(said) == 1, said
+            assert not quiet, quiet
+            if where == "v1 cond":  # (a v1 cond's op is rewired: one shared stream, nothing
+                assert said == [], said  # to warn of; the functions' ops keep their own)
+                continue
+            assert len(said) == 1, said
             assert "RandomUniform" in said[0] and "random stream" in said[0], said
-            assert ("in a function" in said[0]) == (where != "v1 cond"), said
+            assert "in a function" in said[0], said
 
 
 def test_r6_21_the_users_own_step_runs_no_python_after_compile():
