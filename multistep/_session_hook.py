@@ -83,26 +83,6 @@ def _patch(module):
         base._extend_graph, base.__init__ = _extend_graph, _init  # noqa: SLF001
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Patches TensorFlow's session module as it loads, then steps aside."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _SESSION_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls the functions ``after_import`` gave for a module once it has loaded whole, in
     the order they were given (then steps aside)."""
@@ -150,5 +130,6 @@ def install():
         if _STATE["extend"] is None:
             _STATE["late"] = True
         _patch(module)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    elif not any(isinstance(f, _AfterImport) and f.name == _SESSION_MODULE
+                 for f in sys.meta_path):
+        after_import(_SESSION_MODULE, lambda: _patch(sys.modules[_SESSION_MODULE]))
