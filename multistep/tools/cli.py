@@ -441,24 +441,21 @@ def _script_runs(args, record_dir, deferred, script=None):
     return command + [script or args.script.partition(":")[0]] + list(getattr(args, "args", []))
 
 
-def _record(args, deferred, what, stdin=None, work=None):
-    """Runs the script once in a subprocess; its record, or None (said why). ``work``:
-    (the working directory to copy for this run, its snapshot) or None (run here)."""
+def _record(args, deferred, what, stdin, work):
+    """Runs the script once in a subprocess, in a working copy of its own; its record,
+    or None (said why). ``work``: (the observed.Plan of the working directory, its
+    snapshot)."""
     import pickle
     import subprocess
 
     from multistep.tools import observed
 
     with tempfile.TemporaryDirectory() as folder:
-        cwd, script = None, args.script.partition(":")[0]
-        if work is not None:
-            cwd = os.path.join(folder, "work")
-            if observed.working_copy(work[0], cwd):
-                inside = os.path.relpath(os.path.abspath(script), work[0])
-                if not inside.startswith(os.pardir):
-                    script = os.path.join(cwd, inside)  # (the copy's, as the script's folder)
-            else:
-                cwd = None
+        cwd, script = os.path.join(folder, "work"), args.script.partition(":")[0]
+        observed.working_copy(work[0], cwd)
+        inside = os.path.relpath(os.path.abspath(script), work[0].folder)
+        if not inside.startswith(os.pardir) and inside.split(os.sep)[0] in work[0].copied:
+            script = os.path.join(cwd, inside)  # (the copy's, as the script's folder)
         proc = subprocess.run(_script_runs(args, folder, deferred, os.path.abspath(script)),
                               capture_output=True, input=stdin, cwd=cwd)
         stdout = proc.stdout.decode(errors="replace")
@@ -471,9 +468,23 @@ def _record(args, deferred, what, stdin=None, work=None):
             return None
         with open(path, "rb") as f:
             record = pickle.load(f)
-        record["files"] = observed.files_written(cwd, work[1]) if cwd is not None else {}
+        record["files"] = observed.files_written(cwd, work[1])
     record["stderr"], record["stdout"] = stderr, stdout
     return record
+
+
+def _working_directory(command):
+    """(the observed.Plan of the working directory, its snapshot): what each run of the
+    script copies (said here when part of it is linked instead)."""
+    from multistep.tools import observed
+
+    plan = observed.plan(os.getcwd())
+    if plan.linked:
+        print(f"multistep {command}: the working directory is over "
+              f"{observed.COPY_LIMIT >> 20} MiB: each run's copy links "
+              f"{', '.join(plan.linked)} instead (the runs share them, and what they write "
+              f"there is not compared)")
+    return plan, observed.snapshot(plan)
 
 
 def _verify_script(args):
@@ -484,11 +495,7 @@ def _verify_script(args):
     # each run in a copy of the working directory of its own, fed the same standard input
     # (read once here unless it is a terminal)
     stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
-    here = os.getcwd()
-    work = (here, observed.snapshot(here)) if observed.copyable(here) else None
-    if work is None:
-        print(f"multistep verify: the working directory is over {observed.COPY_LIMIT >> 20} "
-              f"MiB: the runs share it, and the files they write are not compared")
+    work = _working_directory("verify")
     first = _record(args, False, "the script as written", stdin, work)
     second = first and _record(args, False, "the script as written (a second time)", stdin,
                                work)
@@ -562,9 +569,10 @@ def _bench_script(args):
 
     rounds = 3 if args.quick else args.repeats
     times = {False: [], True: []}
+    work = _working_directory("bench")
     for r in range(rounds):
         for deferred in ((False, True) if r % 2 == 0 else (True, False)):
-            record = _record(args, deferred, "the script")
+            record = _record(args, deferred, "the script", None, work)
             if record is None:
                 return 2
             times[deferred].append(record["from_first_run"])

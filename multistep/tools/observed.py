@@ -1,8 +1,9 @@
 """What a script's run leaves that a person sees besides its ``Session.run`` values: the
 lines it prints and the files it writes under its working directory. ``multistep verify
 SCRIPT.py`` runs the script as written twice and under ``multistep run`` once, each in a
-copy of the working directory of its own, fed the same standard input, and compares
-these with ``differences``.
+copy of the working directory of its own (its largest top-level entries linked, not
+copied, past COPY_LIMIT: see Plan), fed the same standard input, and compares these with
+``differences``.
 
 The rule for what may differ (documented on the command line page): a line of output is
 compared after masking what no run repeats (hexadecimal addresses, temporary names
@@ -14,52 +15,88 @@ values and steps (not their wall times), a ``Saver``'s ``.meta`` by the script's
 files byte for byte.
 """
 
+import collections
 import hashlib
 import os
 import re
 import shutil
 
-__all__ = ["COPY_LIMIT", "copyable", "differences", "files_written", "snapshot", "working_copy"]
+__all__ = ["COPY_LIMIT", "Plan", "differences", "files_written", "plan", "snapshot",
+           "working_copy"]
 
-COPY_LIMIT = 256 * 2 ** 20  # a working directory larger than this is not copied
+COPY_LIMIT = 256 * 2 ** 20  # the most of a working directory each run copies
 _MASKS = [(re.compile(r"0x[0-9a-fA-F]+"), "0x…"), (re.compile(r"tmp[a-z0-9_]{8}"), "tmp…"),
           (re.compile(r"\d+(\.\d+)?(e-?\d+)?\s?(ns|µs|us|ms|s|sec|secs|seconds|min)\b"),
            "…s")]
 
 
-def copyable(folder):
-    """Whether the files under ``folder`` (links not followed) are COPY_LIMIT or less."""
+class Plan(collections.namedtuple("Plan", "folder copied linked")):
+    """What each run's working copy of ``folder`` holds: the top-level entries ``copied``
+    (their files compared after the run) and ``linked`` (symbolic links to the originals:
+    the runs share them, and what is written there is not compared)."""
+
+
+def plan(folder):
+    """The Plan of ``folder``: its top-level entries, smallest first, copied while their
+    files total COPY_LIMIT or less; the rest (a virtual environment, a data set) linked."""
+    sized = sorted((_size(os.path.join(folder, name)), name) for name in os.listdir(folder))
+    copied, linked, total = [], [], 0
+    for size, name in sized:
+        if total + size <= COPY_LIMIT:
+            copied.append(name)
+            total += size
+        else:
+            linked.append(name)
+    return Plan(folder, sorted(copied), sorted(linked))
+
+
+def _size(path):
+    """The bytes of the files under ``path`` (links not followed), or just over COPY_LIMIT."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return 0 if os.path.islink(path) else os.path.getsize(path)
     size = 0
-    for root, _, files in os.walk(folder):
+    for root, _, files in os.walk(path):
         for name in files:
-            path = os.path.join(root, name)
-            size += 0 if os.path.islink(path) else os.path.getsize(path)
+            file = os.path.join(root, name)
+            size += 0 if os.path.islink(file) else os.path.getsize(file)
             if size > COPY_LIMIT:
-                return False
-    return True
+                return size
+    return size
 
 
-def working_copy(source, target):
-    """Copies the folder ``source`` to ``target`` (returns True), or, above COPY_LIMIT,
-    copies nothing and returns False (the runs then share ``source``)."""
-    if not copyable(source):
-        return False
-    shutil.copytree(source, target, symlinks=True)
-    return True
+def working_copy(plan, target):
+    """Makes ``target`` a working copy of ``plan.folder`` (see Plan)."""
+    os.makedirs(target)
+    for name in plan.copied:
+        source = os.path.join(plan.folder, name)
+        if os.path.isdir(source) and not os.path.islink(source):
+            shutil.copytree(source, os.path.join(target, name), symlinks=True)
+        else:
+            shutil.copy2(source, os.path.join(target, name), follow_symlinks=False)
+    for name in plan.linked:
+        os.symlink(os.path.join(os.path.abspath(plan.folder), name), os.path.join(target, name))
 
 
-def snapshot(folder):
-    """{path under ``folder``: its bytes' digest} (what ``files_written`` compares with)."""
-    return _snapshot(folder)
+def snapshot(plan):
+    """{path: its bytes' digest} of the files ``plan`` copies (what ``files_written``
+    compares with)."""
+    return _snapshot(plan.folder, plan.copied)
 
 
-def _snapshot(folder):
+def _snapshot(folder, names=None):
     out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                out[os.path.relpath(path, folder)] = _digest(path)
+    for name in os.listdir(folder) if names is None else names:
+        top = os.path.join(folder, name)
+        if os.path.islink(top):
+            continue
+        if not os.path.isdir(top):
+            out[name] = _digest(top)
+            continue
+        for root, _, files in os.walk(top):
+            for file in files:
+                path = os.path.join(root, file)
+                if not os.path.islink(path):
+                    out[os.path.relpath(path, folder)] = _digest(path)
     return out
 
 

@@ -18,7 +18,6 @@ import runpy
 import sys
 import time
 import traceback
-import weakref
 
 __all__ = ["compare", "main", "run_script"]
 
@@ -89,7 +88,10 @@ class _Recorder:
         from multistep.loops import deferred
 
         deferred._install()  # noqa: SLF001 (a script's own ms.deferred patches run: first)
-        # the sessions in the order they first ran (a WeakSet's order is not kept)
+        # the sessions in the order they first ran, held: a session the script drops
+        # unclosed is read at its end, not whenever the garbage collector finalizes it (a
+        # read then is at no fixed point of either run, and may find its weak references
+        # already cleared)
         self.runs, self.sites, self.closes, self.sessions = [], [], [], {}
         self.first = None
         run, close = session_lib.BaseSession.run, session_lib.BaseSession.close
@@ -102,7 +104,7 @@ class _Recorder:
             if not inside:
                 if recorder.first is None:
                     recorder.first = time.perf_counter()
-                recorder.sessions.setdefault(id(sess), weakref.ref(sess))
+                recorder.sessions.setdefault(id(sess), sess)
                 recorder.runs.append(result)
                 recorder.sites.append(deferred._site())  # noqa: SLF001
             return result
@@ -140,9 +142,8 @@ class _Recorder:
         import multistep as ms
         from multistep.loops import deferred
 
-        for ref in list(self.sessions.values()):
-            sess = ref()
-            if sess is not None and not getattr(sess, "_closed", True):
+        for sess in list(self.sessions.values()):
+            if not getattr(sess, "_closed", True):
                 self.closes.append(self.variables(sess))
         try:  # each run's values as a flat list (a MonitoredSession keys its by hook)
             runs = [deferred.flatten_fetches(ms.value(r)) for r in self.runs]
