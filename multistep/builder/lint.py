@@ -14,7 +14,7 @@ import warnings
 import tensorflow as tf
 
 from multistep.compiler import streams as streams_lib
-from multistep.graph import (CALL_OPS, READ_OPS, ancestors_postorder, built_at, captures, named_few,
+from multistep.graph import (CALL_OPS, READ_OPS, ancestors_postorder, built_at, captures,
                              data_preds, preds, read_of, source_op, stateful_random_ops,
                              stateless_replacement, user_stacklevel)
 

@@ -28,9 +28,11 @@ across a run that is not a compiled one.
 Some steps run as written, one at a time, each a line of the report: a step that calls
 Python (``py_func``, ``numpy_function``, ``py_function``), a step that prints
 (``tf.print``: its lines interleave with the loop's), a step that dequeues from a
-queue threads fill (``shuffle_batch``, ``batch`` with queue runners), and a step
-``ms.compile`` refuses (a race the program has, an op it cannot copy). Deferring any of
-them would change what the script as written observes.
+queue threads fill (``shuffle_batch``, ``batch`` with queue runners), a step
+``ms.compile`` refuses (a race the program has, an op it cannot copy), and a step that
+can fail (an iterator's end, a check) run inside a ``try`` of the loop's that catches its
+error (``caught.catching``). Deferring any of them would change what the script as
+written observes.
 """
 
 import atexit
@@ -56,6 +58,7 @@ from multistep.compiler import tripwires as tripwires_lib
 from multistep.compiler.compile import compile_program
 from multistep.compiler.placement import PLACEHOLDERS
 from multistep.compiler.runs import InputExhaustedError, StepFailedError
+from multistep.loops import caught as caught_lib
 from multistep.loops import lazy as lazy_lib
 
 __all__ = ["DeferredSession", "FusionReport", "deferred"]
@@ -129,6 +132,7 @@ class _Kind:
     unread: frozenset  # the indices of fed keys the step does not read (dropped)
     remapped: bool = False  # a fetch is a random op's own output: flat holds its stream's
     direct: str = None  # why its steps run as written, one at a time (None: deferred)
+    fails: tuple = None  # (an op that can fail, named; the errors such ops raise) or None
     types: list = None  # the type Session.run returns for each fetch (None: not known)
     read_at_once: int = 0  # its runs in a row of one step, each ended by a read of it
     held: list = dataclasses.field(default_factory=list)
@@ -187,12 +191,19 @@ class _Engine:
             self.calls += 1
             site = _site()
             kind, order = self._kind(fetches, feed_dict)
-            if kind.step and kind.direct is None and not _meaningful(options):
+            direct = kind.direct
+            if kind.step and direct is None and kind.fails:
+                where = caught_lib.catching(kind.fails[1])
+                if where is not None:  # (deferred, the loop would go past the failing step)
+                    direct = (f"the step can fail ({kind.fails[0]}) and the loop catches "
+                              f"its error (the try at {where}): it must stop at the step "
+                              f"that fails, as written")
+            if kind.step and direct is None and not _meaningful(options):
                 return self._defer(kind, self._copied_feed(kind, feed_dict, order), site,
                                    fetches)
-            if kind.step and kind.direct is not None:  # a step that must run as written
+            if kind.step and direct is not None:  # a step that must run as written
                 self.flush(f"a step run as written at {site}")
-                self.direct[f"{kind.direct} (the run at {site})"] += 1
+                self.direct[f"{direct} (the run at {site})"] += 1
             else:
                 what = "a run with RunOptions" if kind.step else "another run"
                 self._before_barrier(kind, f"{what} at {site}")
@@ -514,8 +525,26 @@ def _classify(graph, fetches, feed_dict):
     unread = frozenset(i for i, k in enumerate(keys) if not read[i])
     kind = _Kind(step, flat, keys, frozenset(reached), name, computed, unread, remapped)
     kind.direct = _as_written(reached) if step else None
+    kind.fails = _fails(reached) if step else None
     kind.types = [_returned_type(f) for f in flat]
     return kind
+
+
+# Ops that fail on what a step finds when it runs (the input's end, a check), by the error.
+_INPUT_END, _CHECK = ("the input's end", "OutOfRangeError"), ("a check", "InvalidArgumentError")
+_FAILING_OPS = {"IteratorGetNext": _INPUT_END, "IteratorGetNextSync": _INPUT_END,
+                "Assert": _CHECK, "CheckNumerics": _CHECK, "CheckNumericsV2": _CHECK}
+
+
+def _fails(reached):
+    """(the first op of ``reached`` that can fail, said; the errors such ops raise), or
+    None."""
+    failing = sorted((op.name, op.type) for op in reached if op.type in _FAILING_OPS)
+    if not failing:
+        return None
+    name, kind = failing[0]
+    errors = tuple({getattr(tf.errors, _FAILING_OPS[t][1]) for _, t in failing})
+    return f"{_FAILING_OPS[kind][0]} at {name!r}", errors
 
 
 def _returned_type(fetch):
