@@ -24,6 +24,9 @@ PRINTS = {
     "getting-started.md": ["(bitwise equal)"],
     "guides/unroll.md": ["inner step 2 uses 'MatMul' (MatMul)"],
     "guides/tf2-keras.md": ["(10,) [ 1  2  3  4  5  6  7  8  9 10]"],
+    # the loop that catches its input's end: 5 steps made as written, 6 runs as written
+    # (its source is the page, not Python: the try is found in the bytecode)
+    "guides/loop-as-written.md": ["\n5\n6\n"],
 }
 
 
@@ -159,6 +162,32 @@ def test_code_line_check_finds_a_long_line():
 def test_benchmarks_page_links_the_changelog():
     """The history of the figures is the changelog's; the Benchmarks page links it."""
     assert "(changelog.md" in docs_pages.read("docs/benchmarks.md")
+
+
+def test_front_door_leads_to_the_loop_as_written():
+    """The README and the site's home page name `multistep run` and link the guide of the
+    loop as written (the user's loop untouched is the first thing either offers)."""
+    for page, link in [("README.md", "docs/guides/loop-as-written.md"),
+                       ("docs/index.md", "guides/loop-as-written.md")]:
+        text = docs_pages.read(page)
+        assert "multistep run" in text, f"{page} does not name `multistep run`"
+        assert f"]({link})" in text, f"{page} has no link to {link}"
+
+
+# A tracker reference ("issue 48", "case 23", "round 6") and a parenthesised list of bare
+# numbers ("(39)", "(30, 36)"): what CHANGELOG.md says instead is what the user got.
+TRACKER = re.compile(r"\b(issue|issues|case|cases|round)\s+\d", re.I)
+BARE_NUMBERS = re.compile(r"\(\d+(?:\s*,\s*\d+)*\)")
+
+
+def test_changelog_cites_no_tracker_numbers():
+    """The changelog speaks the users' words, not the tracker's."""
+    assert TRACKER.search("Fixed (Issue 49, case 2)") and BARE_NUMBERS.search("(30, 36)")
+    assert not BARE_NUMBERS.search("3.9 s (0.1 s), (N = 16)")  # figures are not cited
+    for number, line in enumerate(docs_pages.read("CHANGELOG.md").splitlines(), 1):
+        assert not TRACKER.search(line), f"CHANGELOG.md:{number}: a tracker reference: {line!r}"
+        assert not BARE_NUMBERS.search(line), (
+            f"CHANGELOG.md:{number}: a parenthesised bare number: {line!r}")
 
 
 def _api_directives():
