@@ -541,7 +541,7 @@ def _kernel_differences(session):
     out = []
     for (name, links), program in engine.programs.items():
         kind = engine.canonical[name]
-        feed = {k: ms.value(v) for k, v in zip(kind.keys, kind.last.feed)}
+        feed = {k: ms.value(v) for k, v in zip(kind.keys, kind.last_feed)}
         with v1.Session(graph=graph) as scratch:
             scratch.run(init)
             _, nodes = kernels.executed(scratch, kind.flat, feed)

@@ -156,6 +156,30 @@ def test_help_does_not_import_tensorflow(args):
     assert "usage: multistep" in result.stdout and result.stderr == ""
 
 
+@pytest.mark.parametrize("argv, steps, script_args", [
+    # multistep's options before the script, everything after it the script's
+    (["run", "--steps", "4", "S", "3", "--steps", "9"], 4, ["3", "--steps", "9"]),
+    (["verify", "--steps", "4", "S", "--", "ok"], 4, ["ok"]),
+    # bench in run's order (on the previous main: "expected an integer > 0, got 'S'")
+    (["bench", "--steps", "7", "S", "a"], 7, ["a"]),
+    # one default N for the three (on the previous main: required, 3 and 10)
+    (["run", "S"], 10, []), (["verify", "S"], 10, []), (["bench", "S"], 10, []),
+    # FILE.py:FN takes no arguments: its options may follow it, as before
+    (["verify", "tests/test_verify.py:good_build", "--steps", "2"], 2, None),
+])
+def test_run_verify_and_bench_read_one_command_line(argv, steps, script_args):
+    from multistep.tools import cli
+
+    script = os.path.join(ROOT, "tests", "scripts", "train_loop.py")
+    argv = [script if a == "S" else os.path.join(ROOT, a) if a.startswith("tests/") else a
+            for a in argv]
+    parser = cli._parser()
+    parsed, got = cli._split_script(parser, argv)
+    args = parser.parse_args(parsed)
+    cli._script_defaults(parser, args)
+    assert (args.steps, got) == (steps, script_args)
+
+
 def test_a_normal_run_keeps_tensorflow_start_up_lines_off_the_terminal(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     result = subprocess.run([sys.executable, "-m", "multistep", "graph", "--steps", "2", "--logdir",

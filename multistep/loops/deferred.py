@@ -43,6 +43,7 @@ import os
 import re
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -81,12 +82,16 @@ _AUTO = {}  # multistep run: every new session deferred with these options
 class FusionReport:
     """What a deferred session ran: ``steps`` (deferred step runs made), ``runs`` (the
     compiled runs that made them), ``direct`` (step runs made one at a time, with the
-    reason), and ``causes``: each reason a compiled run was short of N, with the source
-    line that caused it, most frequent first."""
+    reason), ``causes``: each reason a compiled run was short of N, with the source
+    line that caused it, most frequent first, and ``build_seconds``: the time its
+    programs took to build and to make their first runs."""
 
-    def __init__(self, steps_per_run, steps, runs, direct, causes, barriers):
+    def __init__(self, steps_per_run, steps, runs, direct, causes, barriers,
+                 build_seconds=0.0):
         self.steps_per_run, self.steps, self.runs = steps_per_run, steps, runs
         self.direct, self.causes, self.barriers = direct, causes, barriers
+        # the one-time cost: each program's build and its first run (kernels made)
+        self.build_seconds = build_seconds
 
     @property
     def mean_steps(self):
@@ -111,11 +116,20 @@ class _Record:
     keys), where it was made (``site``, and ``call``: the number of the run call), and,
     once it ran, its values or its error."""
 
-    __slots__ = ("engine", "feed", "site", "call", "done", "values", "error")
+    __slots__ = ("engine", "feed", "site", "call", "done", "values", "error", "lazies")
 
     def __init__(self, engine, feed, site, call):
         self.engine, self.feed, self.site, self.call = engine, feed, site, call
         self.done, self.values, self.error = False, None, None
+        self.lazies = ()  # the Lazy values the run returned, settled as soon as it ran
+
+    def resolved(self):
+        """Settles the values the run returned and lets go of what only the run needed
+        (the feed's copies, the step's values): a value the loop keeps holds no more."""
+        for index, lazy in self.lazies:
+            lazy._settle(self, index)  # noqa: SLF001
+        self.lazies = ()
+        self.values = self.feed = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,7 +150,7 @@ class _Kind:
     types: list = None  # the type Session.run returns for each fetch (None: not known)
     read_at_once: int = 0  # its runs in a row of one step, each ended by a read of it
     held: list = dataclasses.field(default_factory=list)
-    last: object = None  # the last _Record of this kind
+    last_feed: list = None  # the feed of the last step of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
 
 
@@ -173,6 +187,7 @@ class _Engine:
         self.causes = collections.Counter()
         self.closed = False
         self.auto = False  # made by multistep run (a script's own ms.deferred replaces it)
+        self.build_seconds, self.unrun = 0.0, set()  # (unrun: ids of programs not run yet)
 
     @property
     def session(self):
@@ -229,7 +244,12 @@ class _Engine:
                                    f"(at {cause.rpartition(' at ')[2]}): it runs as written")
             else:
                 kind.read_at_once = 0
-            self._run_pending(pending)
+            try:
+                self._run_pending(pending)
+            finally:
+                for record in pending.records:
+                    if record.done:
+                        record.resolved()
 
     def force(self, record):
         """A read of a pending value: runs the steps pending up to it."""
@@ -247,7 +267,7 @@ class _Engine:
 
     def report(self):
         return FusionReport(self.steps, self.stats_steps, self.stats_runs, self.direct,
-                            self.causes, self.stats_barriers)
+                            self.causes, self.stats_barriers, self.build_seconds)
 
     # -- one call ----------------------------------------------------------------------
 
@@ -353,10 +373,11 @@ class _Engine:
             pending.links = links
         record = _Record(self, feed, site, self.calls)
         pending.records.append(record)
-        kind.last = record  # (a step's feed of each program: tests compare its kernels)
+        kind.last_feed = feed  # (a step's feed of each program: tests compare its kernels)
         values = [None if isinstance(f, tf.Operation) else
                   lazy_lib.Lazy(fetch=(record, j), type_=kind.types[j])
                   for j, f in enumerate(kind.flat)]
+        record.lazies = [(j, v) for j, v in enumerate(values) if v is not None]
         if len(pending.records) == self.steps:
             self.flush()
         return _pack(fetches, iter(values))
@@ -371,6 +392,7 @@ class _Engine:
                                                             else ())
         program = self.programs.get(key)
         if program is None:
+            start = time.perf_counter()
             graph = self.session.graph
             finalized = graph.finalized
             if finalized:
@@ -384,7 +406,9 @@ class _Engine:
             finally:
                 if finalized:
                     graph.finalize()
+                self.build_seconds += time.perf_counter() - start
             self.programs[key] = program
+            self.unrun.add(id(program))
             for op in kind.reached:  # the originals the program copies, watched at barriers
                 effect = tripwires_lib.effect_of(op)
                 if effect is not None and op.name in program._copied:  # noqa: SLF001
@@ -427,6 +451,8 @@ class _Engine:
         feeds = [{keys[i]: first[i] if i in links else record.feed[i] for i in kept}
                  for record in records]
         self.local.depth = getattr(self.local, "depth", 0) + 1
+        first, start = id(program) in self.unrun, time.perf_counter()
+        self.unrun.discard(id(program))
         try:
             values = program.run(self.session, feeds=feeds)
         except (InputExhaustedError, StepFailedError) as error:
@@ -438,6 +464,8 @@ class _Engine:
             self.stats_steps += len(records)
             self._settle(records, kind, values, len(records))
         finally:
+            if first:
+                self.build_seconds += time.perf_counter() - start
             self.local.depth -= 1
             lazy_lib.settle_waiting()
 

@@ -18,6 +18,7 @@ that takes only ``bytes`` (``Summary.FromString``) refuses it (``ms.value(x)`` f
 """
 
 import operator
+import types
 import weakref
 
 import numpy as np
@@ -28,6 +29,7 @@ __all__ = ["Lazy", "value"]
 # computed as soon as their operands are, so that forcing one never recurses through a
 # chain as long as the loop (``total += c`` over an epoch).
 _WAITING = []
+_NO_KWARGS = types.MappingProxyType({})
 # numpy functions that write (a file, an array given): run now, not deferred.
 _EFFECTFUL = frozenset({"save", "savez", "savez_compressed", "savetxt", "copyto", "put",
                         "put_along_axis", "place", "putmask", "fill_diagonal"})
@@ -44,7 +46,8 @@ class Lazy:
 
     def __init__(self, fetch=None, fn=None, args=(), kwargs=None, type_=None):
         # fetch: (record, index) of a deferred step's fetch; fn/args: a derived value
-        self._fetch, self._fn, self._args, self._kwargs = fetch, fn, args, kwargs or {}
+        self._fetch, self._fn, self._args = fetch, fn, args
+        self._kwargs = kwargs or _NO_KWARGS  # (one empty mapping for all: a dict is 64 bytes)
         self._value = self._error = None
         self._done = False
         self._type = type_  # the type Session.run returns for it, where known before it runs
@@ -79,15 +82,16 @@ class Lazy:
             self._value = self._fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 (raised where the value is read)
             self._error = error
-        self._done, self._fn, self._args, self._kwargs = True, None, (), {}
+        self._done, self._fn, self._args, self._kwargs = True, None, (), _NO_KWARGS
 
     def _force(self):
         if not self._done:
             if self._fetch is not None:
                 record, index = self._fetch
                 if not record.done:
-                    record.engine.force(record)  # runs the pending steps
-                self._settle(record, index)
+                    record.engine.force(record)  # runs the pending steps (settles it)
+                if not self._done:
+                    self._settle(record, index)
             else:
                 for operand in self._lazies:  # the fetches it is computed from
                     operand._force()

@@ -18,14 +18,15 @@ __all__ = ["main"]
 def main(argv=None):
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    script_args = []
-    if argv[:1] in (["verify"], ["bench"]) and "--" in argv:  # SCRIPT.py's own arguments
-        cut = argv.index("--")
-        argv, script_args = argv[:cut], argv[cut + 1:]
+    script_args = None
+    if argv[:1] and argv[0] in SCRIPT_COMMANDS:  # multistep's options, then SCRIPT.py ARGS
+        argv, script_args = _split_script(parser, argv)
     args = parser.parse_args(argv)  # --help and usage errors end here, before TensorFlow loads
     if args.command == "blobs" and args.steps == "auto" and args.mode == "unrolled":
         parser.error("blobs: --steps auto tunes a loop's run length (mode while_loop); it "
                      "cannot run with --mode unrolled")
+    if args.command in SCRIPT_COMMANDS:
+        _script_defaults(parser, args)
     if args.command == "bench" and not (args.script and _is_script(args.script)):
         allowed = sorted(os.sched_getaffinity(0))
         if args.cpu is None:
@@ -33,14 +34,102 @@ def main(argv=None):
         elif args.cpu >= 0 and args.cpu not in allowed:
             parser.error(f"bench: --cpu {args.cpu} is not a core this process may use "
                          f"({', '.join(map(str, allowed))})")
-    if script_args:
-        args.args = list(getattr(args, "args", None) or []) + script_args
+    if script_args is not None:
+        args.args = script_args
     if args.command is None:
         parser.print_help()
         return 2
     if args.command != "run":  # (run: the script imports TensorFlow itself, as written)
         _load_tensorflow()
     return args.func(args)
+
+
+# One grammar for the commands that take a training script:
+#   multistep {run,verify,bench} [OPTIONS] SCRIPT.py [ARGS...]
+# multistep's options come before the script; everything after it (a leading "--"
+# dropped) is the script's own. An option given twice is an error. N (--steps) is 10 for a
+# script unless given. (FILE.py:FN, which takes no arguments, may have its options after
+# it, as before.)
+SCRIPT_COMMANDS = ("run", "verify", "bench")
+DEFAULT_SCRIPT_STEPS = 10
+BENCH_STEPS = (1, 10, 100, 1000)  # bench's N without a script
+
+
+def _split_script(parser, argv):
+    """(the arguments for argparse, the script's own arguments or None) of a run, verify
+    or bench command line (see SCRIPT_COMMANDS); a repeated option is a usage error."""
+    command, rest = argv[0], argv[1:]
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001
+    options = {o: a for a in sub._actions for o in a.option_strings}  # noqa: SLF001
+    seen = {}
+
+    def scan(tokens, stop):
+        """The options at the start of ``tokens`` (checked), up to the first positional
+        when ``stop``: (options, the positional's index or None)."""
+        i = 0
+        while i < len(tokens):
+            token = tokens[i]
+            if token == "--" and stop:
+                return tokens[:i], (i + 1 if i + 1 < len(tokens) else None)
+            if not token.startswith("-") or token == "-":
+                if stop:
+                    return tokens[:i], i
+                i += 1
+                continue
+            name = token.split("=", 1)[0]
+            action = options.get(name)
+            i += 1
+            if action is None:
+                continue  # (argparse names it)
+            given = " ".join(tokens[i - 1:i + (0 if "=" in token or action.nargs == 0
+                                                else 1)])
+            if action.dest in seen and action.dest != "help":
+                parser.error(f"{command}: {name} is given twice ({seen[action.dest]!r} and "
+                             f"{given!r}): give each option once")
+            seen[action.dest] = given
+            if "=" in token or action.nargs == 0:
+                continue
+            if action.nargs in ("+", "*"):  # values up to the next option or the script
+                while i < len(tokens) and not tokens[i].startswith("-") \
+                        and not _looks_like_target(tokens[i]):
+                    i += 1
+            else:
+                i += 1
+        return tokens, None
+
+    before, at = scan(rest, stop=True)
+    if at is None:
+        return argv, None
+    target, after = rest[at], rest[at + 1:]
+    if not _is_script(target):  # FILE.py:FN: its options may follow it
+        more, _ = scan(after, stop=False)
+        return [command, *before, *more, "--", target], None
+    if after[:1] == ["--"]:
+        after = after[1:]
+    elif after and after[0].split("=", 1)[0] in options:
+        print(f"multistep {command}: {after[0]} after {target} is the script's own argument "
+              f"(multistep's options come before SCRIPT.py)", file=sys.stderr)
+    return [command, *before, "--", target], after  # ("--": no option takes the target)
+
+
+def _looks_like_target(token):
+    return token.endswith(".py") or ".py:" in token
+
+
+def _script_defaults(parser, args):
+    """N of a script (DEFAULT_SCRIPT_STEPS unless given) and of FILE.py:FN (as before)."""
+    target = getattr(args, "script", None) or getattr(args, "target", None)
+    script = target is not None and _is_script(target)
+    if args.command == "bench":
+        if script and args.steps is not None and len(args.steps) > 1:
+            parser.error(f"bench: a script is timed at one N: give --steps once with one "
+                         f"value, got {' '.join(map(str, args.steps))}")
+        if script:
+            args.steps = args.steps[0] if args.steps else DEFAULT_SCRIPT_STEPS
+        elif args.steps is None:
+            args.steps = list(BENCH_STEPS) if target is None else [DEFAULT_SCRIPT_STEPS]
+    elif args.steps is None:
+        args.steps = DEFAULT_SCRIPT_STEPS if script else 3
 
 
 # TensorFlow's start-up lines on a machine with no GPU: absl's info and warning lines
@@ -151,8 +240,9 @@ def _parser():
     run = sub.add_parser(
         "run", help="run a training script as written, every session it makes deferred "
                     "(N steps a compiled run), and print the fusion report")
-    run.add_argument("--steps", type=_positive, required=True,
-                     help="the most steps of one compiled run (N)")
+    run.add_argument("--steps", type=_positive, default=None,
+                     help=f"the most steps of one compiled run (N, default "
+                          f"{DEFAULT_SCRIPT_STEPS})")
     run.add_argument("--mode", choices=("while_loop", "unrolled"), default="while_loop",
                      help="while_loop (default: runs of fewer steps share one program) or "
                           "unrolled")
@@ -161,7 +251,7 @@ def _parser():
     run.add_argument("script", metavar="SCRIPT.py", type=_script,
                      help="the script, run as python SCRIPT.py ARGS would run it")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                     help="the script's own arguments")
+                     help="the script's own arguments (everything after SCRIPT.py)")
     run.set_defaults(func=_run)
 
     verify = sub.add_parser(
@@ -170,9 +260,12 @@ def _parser():
                        "(exit 1 if they differ, 2 if they could not run)")
     verify.add_argument("target", metavar="FILE.py:FN | SCRIPT.py", type=_target,
                         help="a file and a build_fn(steps) -> (unrolled, feed_dict) in it; or "
-                             "a training script (its arguments after --)")
-    verify.add_argument("--steps", type=_positive, default=3,
-                        help="inner steps of a fused run (default 3)")
+                             "a training script")
+    verify.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="a script's own arguments (everything after SCRIPT.py)")
+    verify.add_argument("--steps", type=_positive, default=None,
+                        help=f"inner steps of a fused run (default {DEFAULT_SCRIPT_STEPS} for "
+                             f"a script, 3 for FILE.py:FN)")
     verify.add_argument("--runs", type=_positive, default=4,
                         help="with FILE.py:FN: fused runs compared (default 4)")
     verify.add_argument("--atol", type=_non_negative_float, default=0.0,
@@ -206,13 +299,16 @@ def _parser():
                        help="a build_fn(steps) -> (program, feed), as verify takes: its single "
                             "steps against each mode (paired rounds), N the first --steps "
                             "(default 10); or a training script as written against multistep "
-                            "run (its arguments after --)")
+                            "run (one N, default 10)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                       help="a script's own arguments (everything after SCRIPT.py)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: blobs, N in {1, 10}, few repeats")
     bench.add_argument("--problems", nargs="+", choices=BENCH_PROBLEMS, default=list(BENCH_PROBLEMS),
                        help="the models timed (default: all)")
-    bench.add_argument("--steps", nargs="+", type=_positive, default=[1, 10, 100, 1000],
-                       help="values of N (default 1 10 100 1000)")
+    bench.add_argument("--steps", nargs="+", type=_positive, default=None,
+                       help="values of N (default 1 10 100 1000; for a script or FILE.py:FN, "
+                            "one N, default 10)")
     bench.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS),
                        metavar="METHOD",
                        help="the methods timed (default: all): " + ", ".join(BENCH_METHODS))
@@ -568,14 +664,17 @@ def _bench_script(args):
     import statistics
 
     rounds = 3 if args.quick else args.repeats
-    times = {False: [], True: []}
+    times, builds = {False: [], True: []}, []
     work = _working_directory("bench")
     for r in range(rounds):
         for deferred in ((False, True) if r % 2 == 0 else (True, False)):
-            record = _record(args, deferred, "the script", None, work)
-            if record is None:
+            written = _record(args, deferred, "the script", None, work)
+            if written is None:
                 return 2
-            times[deferred].append(record["from_first_run"])
+            times[deferred].append(written["from_first_run"])
+            if deferred:
+                record = written
+                builds.append(record["build_seconds"])
         print(f"round {r + 1}/{rounds}: as written {times[False][-1]:.3f} s, under multistep "
               f"run {times[True][-1]:.3f} s", flush=True)
     ratios = [a / b for a, b in zip(times[False], times[True])]
@@ -583,14 +682,33 @@ def _bench_script(args):
           f"{statistics.median(times[False]):.3f} s, under multistep run --steps "
           f"{args.steps} {statistics.median(times[True]):.3f} s: "
           f"{statistics.median(ratios):.2f}x (median of {rounds} paired rounds)")
+    print(_break_even(statistics.median(times[False]), statistics.median(times[True]),
+                      statistics.median(builds), record["steps"]))
+    report = record["stderr"].splitlines()
+    starts = [i for i, line in enumerate(report) if line.startswith("multistep deferred")]
+    print("\n".join(report[starts[0]:] if starts else []))
     return 0
+
+
+def _break_even(written, fused, build, steps):
+    """The line that says from how many fused steps the programs' one-time cost is paid
+    back: ``written`` and ``fused`` the script's times, ``build`` the programs' build and
+    first runs (part of ``fused``), ``steps`` the steps the fused run made."""
+    if not steps:
+        return "break-even: no step was fused (the report below says why)"
+    saved = (written - (fused - build)) / steps  # a fused step's gain, once built
+    head = (f"break-even: the programs' build and first runs took {build:.3f} s, for "
+            f"{steps} fused steps")
+    if saved <= 0:
+        return f"{head}; a fused step is no faster here, so fusing pays at no length"
+    return (f"{head}; a fused step saves {saved * 1e6:.0f} µs, so fusing pays from about "
+            f"{build / saved:.0f} steps")
 
 
 def _bench(args):
     from multistep.tools import bench
 
-    if args.script is not None and _is_script(args.script):  # one N: the one given, else 10
-        args.steps = args.steps[0] if len(args.steps) == 1 else 10
+    if args.script is not None and _is_script(args.script):  # (one N: _script_defaults)
         return _bench_script(args)
     if args.cpu >= 0:
         os.sched_setaffinity(0, {args.cpu})  # before TensorFlow sizes its thread pools
@@ -641,7 +759,7 @@ def _bench_step(args):
     build_fn = _load_target(args.script)
     if build_fn is None:
         return 2
-    steps = args.steps[0] if args.steps != [1, 10, 100, 1000] else 10
+    steps = args.steps[0]
     rounds = 3 if args.quick else args.repeats
     pinned = f"pinned to core {args.cpu}" if args.cpu >= 0 else "not pinned"
     print(f"multistep bench {args.script}: N = {steps}, {rounds} paired rounds, {pinned}",

@@ -152,8 +152,11 @@ class _Recorder:
         streams = sys.modules.get("multistep.compiler.streams")
         unshared = dict(streams.COPIED_UNSHARED) if streams is not None else {}
         with open(path, "wb") as f:
+            reports = deferred.reports()
             pickle.dump({"runs": runs, "sites": self.sites, "unshared": unshared,
                          "closes": [ms.value(c) for c in self.closes],
+                         "steps": sum(r.steps for r in reports),
+                         "build_seconds": sum(r.build_seconds for r in reports),
                          "exit": code, "seconds": elapsed,
                          "from_first_run": time.perf_counter() - (self.first or 0)}, f)
 

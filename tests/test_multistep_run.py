@@ -1,0 +1,161 @@
+"""``multistep run``, ``verify`` and ``bench`` on training scripts run unchanged
+(tests/scripts/), each in a subprocess: what the script prints, its exit code, its files
+and the fusion report's run counts, against the script as written."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).with_name("scripts")
+
+
+def _multistep(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "multistep", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_multistep_run_prints_what_the_script_prints_fused():
+    script = SCRIPTS / "train_loop.py"
+    written = subprocess.run([sys.executable, str(script), "4"], capture_output=True,
+                             text=True, timeout=600)
+    fused = _multistep("run", "--steps", 4, script, 4)
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert fused.stdout == written.stdout  # the losses and accuracies, printed with repr
+    # 32 steps: 8 an epoch, as 4 + 4 (each epoch's loss line reads the last 4)
+    assert "32 steps in 8 compiled runs" in fused.stderr, fused.stderr[-2000:]
+
+
+def test_multistep_verify_passes_on_the_script_and_names_a_planted_difference():
+    ok = _multistep("verify", "--steps", 4, SCRIPTS / "train_loop.py", 3)
+    assert ok.returncode == 0 and "OK:" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    # dropout_eval.py evaluates through the step's own dropout: its draws interleave with
+    # the steps' as written, and deferred too (one shared stream). (On the main before the
+    # shared streams: DIFFERENT.)
+    dropout = _multistep("verify", "--steps", 4, SCRIPTS / "dropout_eval.py")
+    assert dropout.returncode == 0 and "OK:" in dropout.stdout, dropout.stdout
+    # sample_eval.py's sampler (Multinomial) keeps its kernel's stream: found, its cause named
+    planted = _multistep("verify", "--steps", 4, SCRIPTS / "sample_eval.py")
+    assert planted.returncode == 1, planted.stdout + planted.stderr[-2000:]
+    assert "DIFFERENT" in planted.stdout and "sample_eval.py:" in planted.stdout
+    assert "likely cause: the compiled steps copied 'categorical/Multinomial' (Multinomial)" \
+        in planted.stdout, planted.stdout
+
+
+def test_a_script_that_raises_keeps_its_error_and_exit_code_after_its_steps_ran():
+    # as written, the 3 steps before the raise are applied; verify compares the variables
+    # as the script ends, and the exit codes (1 both)
+    result = _multistep("verify", "--steps", 4, SCRIPTS / "train_loop.py", 1, "raise")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    raised = _multistep("run", "--steps", 4, SCRIPTS / "train_loop.py", 1, "raise")
+    assert raised.returncode == 1 and "RuntimeError: the script's own error" in raised.stderr
+    assert 'File "' + str(SCRIPTS / "train_loop.py") in raised.stderr
+
+
+def test_multistep_bench_times_the_script_against_multistep_run():
+    result = _multistep("bench", "--steps", 4, "--repeats", 1, SCRIPTS / "train_loop.py", 2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "round 1/1: as written" in result.stdout
+    assert "x (median of 1 paired rounds)" in result.stdout
+    # the one-time cost and where it is paid back (on the previous main: not said), and
+    # the fusion report of the fused run: 16 steps, runs cut short by each epoch's read
+    assert re.search(r"break-even: the programs' build and first runs took \d+\.\d{3} s, "
+                     r"for 16 fused steps; a fused step (saves \d+ µs, so fusing pays from "
+                     r"about \d+ steps|is no faster here)", result.stdout), result.stdout
+    assert "multistep deferred (steps=4): 16 steps in" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--steps", "4", "nosuch.py"], "no such file"),
+    (["run", "--steps", "0", "x.py"], "expected an integer > 0"),
+    (["verify", "nosuch.py"], "no such file"),
+    # one grammar (on the previous main: the last --steps silently won; bench took the
+    # script for a value of --steps)
+    (["verify", "--steps", "4", "--steps=5", str(SCRIPTS / "train_loop.py")],
+     "verify: --steps is given twice ('--steps 4' and '--steps=5')"),
+    (["run", "--xla", "--mode", "unrolled", "--xla", str(SCRIPTS / "train_loop.py")],
+     "run: --xla is given twice"),
+    (["bench", "--steps", "10", "20", str(SCRIPTS / "train_loop.py")],
+     "bench: a script is timed at one N"),
+])
+def test_bad_invocations_answer_before_tensorflow_loads(args, message):
+    # TensorFlow made unimportable: an answer shows it was never imported
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from multistep.tools import cli\nsys.exit(cli.main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_multistep_verify_passes_on_the_loop_shapes_as_one_script():
+    """Every loop shape of deferred_cases.py, unchanged, under
+    `multistep run`: each Session.run call's values and each session's variables at its
+    close bitwise those of the script as written."""
+    result = _multistep("verify", "--steps", 4, SCRIPTS / "loop_shapes.py", timeout=900)
+    assert result.returncode == 0 and "OK:" in result.stdout, (result.stdout
+                                                               + result.stderr[-3000:])
+
+
+def test_multistep_run_imports_nothing_before_the_script_and_its_own_deferral_wins():
+    # own_deferral.py prints whether TensorFlow or numpy was loaded before its first line,
+    # logs a line through TensorFlow's logger, and defers its own session (steps=3). On
+    # the previous main, multistep run loaded TensorFlow first ("True True"), set its
+    # logger to ERROR (the line gone), and the script failed: "deferred already".
+    script = SCRIPTS / "own_deferral.py"
+    written = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=600)
+    fused = _multistep("run", "--steps", 4, script)
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert fused.stdout == written.stdout  # the losses bitwise (repr), the report's runs
+    assert "loaded before the script: False False" in fused.stdout
+    assert "WARNING:tensorflow:the script's own warning" in fused.stderr
+    assert fused.stderr.count("the script defers this session itself (ms.deferred at "
+                              "own_deferral.py:24): its own steps=3 are used.") == 1
+    assert "6 steps in 2 compiled runs" in fused.stderr  # the script's own deferral's
+
+
+def _verify_in(folder, *args, stdin=""):
+    return subprocess.run([sys.executable, "-m", "multistep", "verify", *map(str, args)],
+                          capture_output=True, text=True, timeout=600, cwd=folder, input=stdin)
+
+
+def test_multistep_verify_compares_output_and_files_in_a_working_copy_of_its_own(tmp_path):
+    # observed.py ok reads its step count from standard input, resumes from ./ckpt when
+    # it is there, saves there and under mkdtemp(), writes ./losses.json. On the previous
+    # main, verify called it "not deterministic" (the second run resumed from the first's
+    # checkpoint; the mkdtemp path a save returns differed) and compared no file.
+    # A sparse file over the copy limit beside it (a data set): linked into each copy, not
+    # copied (on the previous main the whole folder was then shared: each run found the
+    # checkpoints of the ones before it).
+    script = SCRIPTS / "observed.py"
+    with open(tmp_path / "data.bin", "wb") as f:
+        f.truncate(257 << 20)
+    ok = _verify_in(tmp_path, "--steps", 4, script, "ok", stdin="5\n")
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
+    assert "each run's copy links data.bin instead" in ok.stdout, ok.stdout
+    assert "OK: 8 Session.run calls' values, 1 sessions' variables, its output and the 4 " \
+           "files it wrote" in ok.stdout, ok.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["data.bin"]  # (each run had a copy)
+    (tmp_path / "data.bin").unlink()
+    # planted: a printed line, and a file, that hold type(loss).__name__ (Lazy deferred:
+    # type() is the one question a lazy value cannot answer as its value): on the
+    # previous main both were called OK
+    line = _verify_in(tmp_path, "--steps", 4, script, "line")
+    assert line.returncode == 1 and ("DIFFERENT: under multistep run, line 1 of its "
+                                     "standard output differs: 'the last loss is float32' "
+                                     "as written, 'the last loss is Lazy'") in line.stdout
+    file = _verify_in(tmp_path, "--steps", 4, script, "file")
+    assert file.returncode == 1 and "the file kind.json it wrote differs" in file.stdout
+
+
+def test_the_pending_steps_run_before_os_exit(tmp_path):
+    # exit_early.py's step writes the global step to a file; it makes 3 steps and calls
+    # os._exit (atexit does not run). On the previous main the 3 steps were still pending
+    # and never ran: no file.
+    written = subprocess.run([sys.executable, str(SCRIPTS / "exit_early.py"),
+                              str(tmp_path / "written")], capture_output=True, timeout=600)
+    fused = _multistep("run", "--steps", 4, SCRIPTS / "exit_early.py", tmp_path / "fused")
+    assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+    assert (tmp_path / "written").read_text() == (tmp_path / "fused").read_text() == "3"
