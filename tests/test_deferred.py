@@ -21,6 +21,9 @@ import tensorflow as tf
 
 import multistep as ms
 
+# one xdist worker runs this file: its module-scoped fixtures are built once
+pytestmark = pytest.mark.xdist_group("test_deferred")
+
 WORKER = pathlib.Path(__file__).with_name("deferred_cases.py")
 v1 = tf.compat.v1
 

@@ -18,6 +18,9 @@ import tensorflow as tf
 
 import multistep as ms
 
+# one xdist worker runs this file: its module-scoped fixtures are built once
+pytestmark = pytest.mark.xdist_group("test_distribute")
+
 V1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

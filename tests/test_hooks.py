@@ -21,6 +21,9 @@ import tensorflow as tf
 
 import multistep as ms
 
+# one xdist worker runs this file: its module-scoped fixtures are built once
+pytestmark = pytest.mark.xdist_group("test_hooks")
+
 V1 = tf.compat.v1
 B, D, H, C, BATCHES = 8, 3, 5, 2, 40
 rng = np.random.RandomState(0)

@@ -30,6 +30,9 @@ import pytest
 
 from multistep.loops.cluster import PORT_TAKEN, PortTakenError, WorkerFailedError, Workers
 
+# one xdist worker runs this file: its module-scoped fixtures are built once
+pytestmark = pytest.mark.xdist_group("test_multiworker")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RUNS, KEPT, TIMEOUT = 3, 4, 2, 5  # as in the worker script
 

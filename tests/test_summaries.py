@@ -20,6 +20,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import multistep as ms
 from multistep.tools import cli
 
+# one xdist worker runs this file: its module-scoped fixtures are built once
+pytestmark = pytest.mark.xdist_group("test_summaries")
+
 V1 = tf.compat.v1
 EPS32 = 2.0 ** -24  # float32 unit roundoff: one rounding moves a value by at most EPS32 relative
 STEPS, RUNS = 3, 4
