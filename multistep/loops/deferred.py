@@ -570,9 +570,9 @@ def _fails(reached):
     failing = sorted((op.name, op.type) for op in reached if op.type in _FAILING_OPS)
     if not failing:
         return None
-    name, kind = failing[0]
+    name, op_type = failing[0]
     errors = tuple({getattr(tf.errors, _FAILING_OPS[t][1]) for _, t in failing})
-    return f"{_FAILING_OPS[kind][0]} at {name!r}", errors
+    return f"{_FAILING_OPS[op_type][0]} at {name!r}", errors
 
 
 def _returned_type(fetch):

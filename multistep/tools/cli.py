@@ -608,9 +608,7 @@ def _verify_script(args):
     difference = script.compare(first, fused)
     observed_difference, skipped = observed.differences(first, second, fused)
     difference = difference or observed_difference
-    report = fused["stderr"].splitlines()
-    starts = [i for i, line in enumerate(report) if line.startswith("multistep deferred")]
-    print("\n".join(report[starts[0]:] if starts else []))
+    print(_fusion_report(fused["stderr"]))
     for what in skipped:
         print(f"not compared: {what}")
     if difference is not None:
@@ -668,12 +666,12 @@ def _bench_script(args):
     work = _working_directory("bench")
     for r in range(rounds):
         for deferred in ((False, True) if r % 2 == 0 else (True, False)):
-            written = _record(args, deferred, "the script", None, work)
-            if written is None:
+            result = _record(args, deferred, "the script", None, work)
+            if result is None:
                 return 2
-            times[deferred].append(written["from_first_run"])
+            times[deferred].append(result["from_first_run"])
             if deferred:
-                record = written
+                record = result
                 builds.append(record["build_seconds"])
         print(f"round {r + 1}/{rounds}: as written {times[False][-1]:.3f} s, under multistep "
               f"run {times[True][-1]:.3f} s", flush=True)
@@ -684,10 +682,15 @@ def _bench_script(args):
           f"{statistics.median(ratios):.2f}x (median of {rounds} paired rounds)")
     print(_break_even(statistics.median(times[False]), statistics.median(times[True]),
                       statistics.median(builds), record["steps"]))
-    report = record["stderr"].splitlines()
-    starts = [i for i, line in enumerate(report) if line.startswith("multistep deferred")]
-    print("\n".join(report[starts[0]:] if starts else []))
+    print(_fusion_report(record["stderr"]))
     return 0
+
+
+def _fusion_report(stderr):
+    """The fusion report a script's run under multistep run printed last on ``stderr``."""
+    lines = stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("multistep deferred")]
+    return "\n".join(lines[starts[0]:] if starts else [])
 
 
 def _break_even(written, fused, build, steps):
