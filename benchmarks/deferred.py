@@ -96,7 +96,7 @@ def deferral_cost(repeats, calls=1000):
     """Seconds of one deferred run call that runs nothing (N larger than the calls)."""
     graph, train, loss, init, feeds = blobs_graph()
     extra = graph.get_tensor_by_name("logits:0")
-    sess = ms.deferred(v1.Session(graph=graph), steps=calls + 1)
+    sess = ms.deferred(v1.Session(graph=graph), steps=calls + 1, fuse="at_once")
     sess.run(init)
     keys, values = feeds
     fetches = [train, loss, extra]  # 3 fetches, 3 feeds
@@ -136,7 +136,7 @@ def main():
             variants[name] = (lambda s=sess, f=fused, fd=feeds: hand_port(s, f, fd, total))
             continue
         if xla is not None:
-            sess = ms.deferred(sess, steps=n, xla=xla)
+            sess = ms.deferred(sess, steps=n, xla=xla, fuse="at_once")
         sess.run(init)
         variants[name] = (lambda s=sess, t=train, l=loss, fd=feeds: loop(s, t, l, fd, total))
     for fn in variants.values():

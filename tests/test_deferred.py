@@ -93,6 +93,22 @@ def test_loop_as_written_is_bitwise_and_fused(results, case):
     assert result["kernels_compared"] > 0 or EXPECTED[case] == (0, 0)
 
 
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_a_loop_that_starts_as_written_and_fuses_midway_is_bitwise(results, case):
+    # fuse="when_it_pays": each program's first two step runs as written, then fused (the
+    # switch a long loop makes once the build pays back), with the random streams and
+    # the state carried across the switch
+    at_once, result = results[case], results[f"{case}:switched"]
+    assert result["different"] == [], result["report"]
+    assert result["same_reads"] and result["reads"] == at_once["reads"], result
+    # every step run is made once, fused or as written
+    assert result["steps"] + result["direct"] == at_once["steps"] + at_once["direct"]
+    if at_once["steps"]:
+        assert 0 < result["steps"] < at_once["steps"], result["report"]
+        assert "run as written while its program's build" in result["report"]
+    assert result["kernel_differences"] == [], result["kernel_differences"]
+
+
 # -- in this process (disable_eager_execution: conftest leaves eager on; graphs of their own)
 
 
@@ -116,7 +132,7 @@ def test_lazy_values_stay_lazy_until_read_and_are_what_run_returns():
     plain = v1.Session(graph=graph)
     plain.run(init)
     expected = [plain.run([train, loss], {x: BATCH})[1] for _ in range(3)]
-    sess = ms.deferred(v1.Session(graph=graph), steps=8)
+    sess = ms.deferred(v1.Session(graph=graph), steps=8, fuse="at_once")
     sess.run(init)
     got = [sess.run([train, loss], {x: BATCH}) for _ in range(3)]
     assert [g[0] for g in got] == [None] * 3  # an op's slot is None, as Session.run's
@@ -138,7 +154,7 @@ def test_both_modes_and_make_callable_as_a_barrier(mode, capsys):
     graph, x, w, loss, train, init = _model(v1.train.AdamOptimizer(0.1))
     plain = v1.Session(graph=graph)
     plain.run(init)
-    sess = ms.deferred(v1.Session(graph=graph), steps=3, mode=mode, report=True)
+    sess = ms.deferred(v1.Session(graph=graph), steps=3, mode=mode, report=True, fuse="at_once")
     sess.run(init)
     read_w = sess.make_callable(w)
     seen, expected = [], []
@@ -159,7 +175,7 @@ def test_a_feed_buffer_reused_by_the_loop_is_copied():
     graph, x, w, loss, train, init = _model()
     plain = v1.Session(graph=graph)
     plain.run(init)
-    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     sess.run(init)
     buffer = BATCH.copy()
     for k in range(3):
@@ -174,7 +190,7 @@ def test_pickle_and_savez_take_lazy_values(tmp_path):
     import pickle
 
     graph, x, w, loss, train, init = _model()
-    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     sess.run(init)
     _, value = sess.run([train, loss], {x: BATCH})
     restored = pickle.loads(pickle.dumps(value))  # pickled as what Session.run returns
@@ -203,7 +219,7 @@ def test_errors_surface_at_the_read_as_tensorflows_class_naming_the_line(mode):
             plain.run(train, {x: f})
         except tf.errors.InvalidArgumentError:
             break
-    sess = ms.deferred(v1.Session(graph=graph), steps=4, mode=mode)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, mode=mode, fuse="at_once")
     sess.run(init)
     values = [sess.run([train, loss], {x: f})[1] for f in feeds[:3]]
     with pytest.warns(RuntimeWarning, match="ran 1 run calls past it"):
@@ -229,7 +245,7 @@ def test_a_run_from_another_thread_sees_the_steps_the_loop_made_before_it():
     plain.run(init)
     for _ in range(3):
         plain.run(train, {x: BATCH})
-    sess = ms.deferred(v1.Session(graph=graph), steps=8)
+    sess = ms.deferred(v1.Session(graph=graph), steps=8, fuse="at_once")
     sess.run(init)
     for _ in range(3):
         sess.run(train, {x: BATCH})
@@ -281,7 +297,8 @@ def test_a_feeder_thread_filling_a_queue_at_capacity_finishes_as_written():
         return out["losses"], out["w"], out["sess"]
 
     want, want_w, _ = train_from_queue(lambda g: v1.Session(graph=g))
-    got, got_w, sess = train_from_queue(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    got, got_w, sess = train_from_queue(
+        lambda g: ms.deferred(v1.Session(graph=g), steps=4, fuse="at_once"))
     assert [float(v) for v in got] == [float(v) for v in want]
     assert got_w.tobytes() == want_w.tobytes()
     report = sess.report()
@@ -317,7 +334,7 @@ def test_a_step_that_calls_python_runs_when_the_loop_does():
         return [float(v) for v in out], sess
 
     want, _ = loop(lambda g: v1.Session(graph=g))
-    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4, fuse="at_once"))
     assert got == want
     report = sess.report()
     assert report.runs == 0 and sum(report.direct.values()) == 6
@@ -394,7 +411,7 @@ def test_a_step_that_can_fail_runs_as_written_where_the_loop_catches_its_error(l
         return log, sess.run(w), sess
 
     want = train_loop(lambda g: v1.Session(graph=g))
-    got = train_loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    got = train_loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4, fuse="at_once"))
     assert want[0].count("step") == 6
     assert got[1].tobytes() == want[1].tobytes()
     report = got[2].report()
@@ -426,7 +443,7 @@ def test_a_step_ms_compile_refuses_runs_as_written_and_the_report_says_why():
         return [float(v) for v in losses], sess.run(w), sess
 
     want, want_w, _ = loop(lambda g: v1.Session(graph=g))
-    got, got_w, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    got, got_w, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4, fuse="at_once"))
     assert got == want and got_w.tobytes() == want_w.tobytes()
     report = sess.report()
     assert report.runs == 0 and sum(report.direct.values()) == 5
@@ -448,7 +465,7 @@ def test_an_evaluation_through_a_random_op_no_stream_shares_is_warned():
         loss = tf.reduce_mean(tf.square(picked))
         train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
         init = v1.global_variables_initializer()
-    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     sess.run(init)
     with pytest.warns(RuntimeWarning, match="Multinomial.*own stream .no stateless op"):
         sess.run(train, {x: BATCH})
@@ -466,6 +483,7 @@ def test_an_evaluation_through_a_random_op_no_stream_shares_is_warned():
     (dict(steps=2, mode="auto"), ValueError, "mode must be"),
     (dict(steps=2, xla="yes"), TypeError, "xla and report must be True or False"),
     (dict(steps=2, report=1), TypeError, "xla and report must be True or False"),
+    (dict(steps=2, fuse="always"), ValueError, "fuse must be .when_it_pays. or .at_once."),
 ])
 def test_bad_arguments_are_refused(bad, error, match):
     graph = _model()[0]
@@ -481,12 +499,12 @@ def test_bad_sessions_are_refused():
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
         ms.deferred(closed, steps=2)
-    sess = ms.deferred(v1.Session(graph=graph), steps=2)
+    sess = ms.deferred(v1.Session(graph=graph), steps=2, fuse="at_once")
     with pytest.raises(ValueError, match="deferred already"):
         ms.deferred(sess, steps=2)
     with pytest.raises(NotImplementedError, match="partial_run"):
         sess.partial_run_setup([loss], [x])
-    other = ms.deferred(v1.Session(graph=graph), steps=2)
+    other = ms.deferred(v1.Session(graph=graph), steps=2, fuse="at_once")
     sess.run(init)
     other.run(init)
     _, lazy = sess.run([train, loss], {x: BATCH})
@@ -508,7 +526,7 @@ def test_a_kept_loss_holds_no_more_than_its_value_and_one_lazy_object():
         loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
         train = v1.train.GradientDescentOptimizer(1e-4).minimize(loss)
         init = v1.global_variables_initializer()
-    sess = ms.deferred(v1.Session(graph=graph), steps=10)
+    sess = ms.deferred(v1.Session(graph=graph), steps=10, fuse="at_once")
     sess.run(init)
     for _ in range(20):  # the program built and run
         sess.run([train, loss], {x: BATCH})
@@ -589,7 +607,7 @@ def test_a_lazy_value_answers_as_the_value_session_run_returns():
         return seen, sess
 
     want, _ = loop(lambda g: v1.Session(graph=g))
-    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4))
+    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=4, fuse="at_once"))
     assert got == want
     # the isinstance checks ran nothing (the type is known from the fetch); the JSON line
     # at step 3 read values: steps 1-3 one run, 4-6 pending until the flush
@@ -604,7 +622,7 @@ def test_a_step_that_prints_runs_when_the_loop_does():
     with graph.as_default():
         with tf.control_dependencies([tf.print("loss", loss)]):
             printed = tf.identity(loss)
-    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     sess.run(init)
     for _ in range(3):
         sess.run([train, printed], {x: BATCH})
@@ -633,7 +651,7 @@ def test_a_monitored_session_takes_the_inputs_end_as_written(tmp_path):
                 save_checkpoint_steps=1000, save_summaries_steps=None,
                 log_step_count_steps=None)
             if defer:
-                sess = ms.deferred(sess, steps=4)
+                sess = ms.deferred(sess, steps=4, fuse="at_once")
             with sess:
                 while not sess.should_stop():
                     sess.run(train)
@@ -669,7 +687,7 @@ def test_a_step_read_every_step_runs_as_written_and_feed_key_order_is_one_progra
         return read + [float(v) for v in ms.value(lazy)] + [sess.run(w).tobytes()]
 
     want = loop(v1.Session(graph=graph))
-    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     assert loop(sess) == want
     report = sess.report()
     assert sum(report.direct.values()) == 20 - READ_AT_ONCE
@@ -706,7 +724,7 @@ def loop(make):
 want, _ = loop(lambda g: v1.Session(graph=g))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=3))
+    got, sess = loop(lambda g: ms.deferred(v1.Session(graph=g), steps=3, fuse="at_once"))
 said = [str(m.message) for m in caught if "fetched beside" in str(m.message)]
 print(want == got, [s for s, _ in got], sess.report().runs, len(said), said[:1])
 """
@@ -718,3 +736,111 @@ print(want == got, [s for s, _ in got], sess.report().runs, len(said), said[:1])
         assert out.startswith("True") and " 0 []" in out, out
     else:
         assert " 1 [\"" in out and "'global_step', 'w' are fetched beside the step's write" in out, out
+
+
+def test_a_short_loop_runs_as_written_a_long_one_fuses_and_a_slower_fusion_goes_back(
+        monkeypatch):
+    # fuse="when_it_pays" (the default). (1) A build that would not pay back (taken to
+    # cost an hour: whether it pays on this machine is test_payback's arithmetic and
+    # test_multistep_run's script): every step runs as written, its values what
+    # Session.run returns (no lazy value). On the previous main the first run built the
+    # program whatever the loop's length: the short newcomer script was 0.72x as fast as
+    # written (multistep bench, tests/scripts/newcomer.py 300).
+    # (2) The build taken to cost nothing: fused after the timed runs, bitwise. (3) Fused
+    # steps that prove no faster than as written (a step as written taken to cost
+    # nothing): as written from then on, the report says so.
+    from multistep.loops import payback
+
+    graph, x, w, loss, train, init = _model()
+
+    def loop(sess, steps):
+        sess.run(init)
+        losses = [sess.run([train, loss], {x: BATCH})[1] for _ in range(steps)]
+        return [type(v) for v in losses], ms.value(losses), sess.run(w).tobytes()
+
+    want = loop(v1.Session(graph=graph), 60)
+    monkeypatch.setattr(payback, "build_estimate", lambda ops: 3600.0)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    types, values, _ = loop(sess, 30)
+    assert types == want[0][:30] and values == want[1][:30]
+    report = sess.report()
+    assert (report.steps, report.runs) == (0, 0)
+    assert sum(report.direct.values()) == 30
+    assert all("build would not pay back" in why for why in report.direct)
+
+    timed = payback.UNTIMED_RUNS + payback.TIMED_RUNS  # as written before a decision
+    monkeypatch.setattr(payback, "build_estimate", lambda ops: 0.0)
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    assert loop(sess, 60)[1:] == want[1:]
+    report = sess.report()
+    assert sum(report.direct.values()) == timed
+    assert (report.steps, report.runs) == (60 - timed, -(-(60 - timed) // 4))
+
+    monkeypatch.setattr(payback, "COMPARED_STEPS", 8)
+    monkeypatch.setattr(payback.Timing, "written_step", property(lambda self: 0.0))
+    sess = ms.deferred(v1.Session(graph=graph), steps=4)
+    assert loop(sess, 60)[1:] == want[1:]
+    report = sess.report()
+    # (with a step as written timed at once, fused from the first step) the first
+    # compiled run (its build, not compared), two compared; the rest as written
+    assert (report.steps, report.runs) == (12, 3)
+    [slower] = [why for why in report.direct if "did not pay" in why]
+    assert report.direct == {slower: 60 - 12}
+
+
+def test_a_step_error_swallowed_at_a_read_stops_the_loop_at_the_next_run_call():
+    # A check fails at step 7; the loop logs its loss every 5 steps through logging, whose
+    # formatting swallows errors ("--- Logging error ---"). As written the error is raised
+    # at step 7's run call and the loop stops. Deferred (N = 8), it is raised inside
+    # logging at step 10's read and swallowed; on the previous main the loop then trained
+    # on to step 20 (13 more steps applied, no error). Now the next run call raises it
+    # again: the loop stops with the steps before the failing one applied, as written.
+    import io
+    import logging
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None])
+        w = v1.get_variable("w", [], initializer=v1.ones_initializer())
+        loss = tf.reduce_sum(tf.debugging.check_numerics(x, "x") * w)
+        step = v1.train.get_or_create_global_step()
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        init = v1.global_variables_initializer()
+    logger = logging.getLogger("multistep_test_swallowed")
+    logger.addHandler(logging.StreamHandler(io.StringIO()))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+    class Stops:  # (a with, not a try: a try around the loop makes the step run as
+        error, made = None, 0  # written, caught.catching's case)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, error, traceback):
+            self.error = error
+            return isinstance(error, tf.errors.InvalidArgumentError)
+
+    def loop(sess):
+        sess.run(init)
+        with Stops() as stop:
+            for i in range(20):
+                _, value = sess.run([train, loss], {x: [np.inf if i == 6 else 1.0]})
+                stop.made += 1
+                if i % 5 == 4:
+                    logger.info("loss %.4f", value)
+        return stop.made, str(stop.error), sess.run(step), sess.run(w).tobytes()
+
+    written = loop(v1.Session(graph=graph))
+    sess = ms.deferred(v1.Session(graph=graph), steps=8, fuse="at_once")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (ran past: said elsewhere)
+        raise_errors, logging.raiseExceptions = logging.raiseExceptions, False
+        try:
+            deferred = loop(sess)
+        finally:
+            logging.raiseExceptions = raise_errors
+    assert written[0] == 6 and "CheckNumerics" in written[1]  # (step 7's run call raised)
+    assert "raised again at this run call" in deferred[1], deferred[1]
+    assert deferred[0] == 10  # the loop's own count went 4 calls past the failing step
+    assert deferred[2:] == written[2:]  # the global step and w: 6 steps applied, as written

@@ -26,7 +26,7 @@ PRINTS = {
     "guides/tf2-keras.md": ["(10,) [ 1  2  3  4  5  6  7  8  9 10]"],
     # the loop that catches its input's end: 5 steps made as written, 6 runs as written
     # (its source is the page, not Python: the try is found in the bytecode)
-    "guides/loop-as-written.md": ["\n5\n6\n"],
+    "guides/loop-as-written.md": ["float32\n0 20\n", "\n5\n6\n"],
 }
 
 

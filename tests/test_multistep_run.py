@@ -12,20 +12,46 @@ import pytest
 SCRIPTS = pathlib.Path(__file__).with_name("scripts")
 
 
-def _multistep(*args, timeout=600):
+def _multistep(*args, timeout=600, cwd=None):
     return subprocess.run([sys.executable, "-m", "multistep", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def test_multistep_run_prints_what_the_script_prints_fused():
     script = SCRIPTS / "train_loop.py"
     written = subprocess.run([sys.executable, str(script), "4"], capture_output=True,
                              text=True, timeout=600)
-    fused = _multistep("run", "--steps", 4, script, 4)
+    fused = _multistep("run", "--steps", 4, "--fuse", "at_once", script, 4)
     assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
     assert fused.stdout == written.stdout  # the losses and accuracies, printed with repr
     # 32 steps: 8 an epoch, as 4 + 4 (each epoch's loss line reads the last 4)
     assert "32 steps in 8 compiled runs" in fused.stderr, fused.stderr[-2000:]
+
+
+def test_multistep_run_fuses_a_long_loop_and_runs_a_short_one_as_written(tmp_path):
+    # newcomer.py: a loop over range(steps), the loss printed every 50 steps. Short (30
+    # steps), the program's build would not pay back: every step as written, and the
+    # report says so (on the previous main the first step built the program: multistep
+    # bench gave 0.72x at 300 steps). Long (3000), after the timed runs as written the
+    # steps left repay the build (here by about 2x: 2989 steps left at 0.3 of 0.55 ms
+    # saved against 0.22 s): fused, the same lines printed.
+    from multistep.loops import payback
+
+    script = SCRIPTS / "newcomer.py"
+    for steps in (30, 3000):
+        written = subprocess.run([sys.executable, str(script), str(steps)],
+                                 capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        fused = _multistep("run", "--steps", 10, script, steps, cwd=tmp_path)
+        assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
+        assert fused.stdout == written.stdout
+        report = fused.stderr[fused.stderr.index("multistep deferred"):]
+        line = "run as written while its program's build would not pay back yet"
+        if steps == 30:
+            assert "0 steps in 0 compiled runs" in report and f"30  {line}" in report, report
+        else:
+            timed = payback.UNTIMED_RUNS + payback.TIMED_RUNS
+            assert f"{steps - timed} steps in" in report, report
+            assert f"{timed}  {line}" in report, report
 
 
 def test_multistep_verify_passes_on_the_script_and_names_a_planted_difference():
@@ -59,8 +85,18 @@ def test_multistep_bench_times_the_script_against_multistep_run():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "round 1/1: as written" in result.stdout
     assert "x (median of 1 paired rounds)" in result.stdout
-    # the one-time cost and where it is paid back (on the previous main: not said), and
-    # the fusion report of the fused run: 16 steps, runs cut short by each epoch's read
+    # 16 steps: too few to repay a build, so none is fused, and the lines that say why
+    # (on the previous main the build was paid at the first step: 0.47x on this script
+    # at 40 epochs)
+    assert "break-even: no step was fused (the report below says why)" in result.stdout
+    assert "multistep deferred (steps=4): 0 steps in 0 compiled runs" in result.stdout
+    assert ("16  run as written while its program's build would not pay back yet "
+            "(fuse='when_it_pays': multistep.loops.payback) (the run at train_loop.py:26)"
+            ) in result.stdout, result.stdout
+    # fused from the first step: the one-time cost and where it is paid back (on the
+    # main before it: not said), and the fusion report of the fused run
+    result = _multistep("bench", "--steps", 4, "--repeats", 1, "--fuse", "at_once",
+                        SCRIPTS / "train_loop.py", 2)
     assert re.search(r"break-even: the programs' build and first runs took \d+\.\d{3} s, "
                      r"for 16 fused steps; a fused step (saves \d+ µs, so fusing pays from "
                      r"about \d+ steps|is no faster here)", result.stdout), result.stdout
@@ -156,6 +192,7 @@ def test_the_pending_steps_run_before_os_exit(tmp_path):
     # and never ran: no file.
     written = subprocess.run([sys.executable, str(SCRIPTS / "exit_early.py"),
                               str(tmp_path / "written")], capture_output=True, timeout=600)
-    fused = _multistep("run", "--steps", 4, SCRIPTS / "exit_early.py", tmp_path / "fused")
+    fused = _multistep("run", "--steps", 4, "--fuse", "at_once", SCRIPTS / "exit_early.py",
+                       tmp_path / "fused")
     assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
     assert (tmp_path / "written").read_text() == (tmp_path / "fused").read_text() == "3"

@@ -160,7 +160,7 @@ def test_a_session_that_is_not_deferred_draws_what_it_draws_without_the_rewrite(
     graph = tf.Graph()
     with graph.as_default():
         x, loss, train, init = program()
-    deferred = ms.deferred(v1.Session(graph=graph), steps=4)
+    deferred = ms.deferred(v1.Session(graph=graph), steps=4, fuse="at_once")
     deferred.run(init)
     lazy = [deferred.run([loss, train], {x: batch})[0] for _ in range(5)]
     with v1.Session(graph=graph) as sess:  # not deferred: its own stream, as written

@@ -21,44 +21,23 @@ numpy, multistep, a test runner's) are not the loop's and are passed over.
 
 import ast
 import dis
-import linecache
 import os
-import sys
-import sysconfig
+
+from multistep.loops import frames
 
 __all__ = ["catching"]
 
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_PASSED_OVER = None  # (directories whose frames are not the loop's: set on first use)
 _TRIES = {}  # filename -> [(try node, the function node it is in or None)]
 
 
 def catching(errors):
     """``file:line`` of the innermost ``try`` of the loop's frames that would catch one of
     ``errors`` (exception classes) raised here, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_passed_over()):
-            found = _catching_in(frame, errors)
-            if found is not None:
-                return found
-        frame = frame.f_back
+    for frame in frames.loop_frames():
+        found = _catching_in(frame, errors)
+        if found is not None:
+            return found
     return None
-
-
-def _passed_over():
-    global _PASSED_OVER
-    if _PASSED_OVER is None:
-        import numpy as np
-        import tensorflow as tf
-
-        paths = sysconfig.get_paths()
-        stdlib = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-        dirs = [_OWN, os.path.dirname(os.path.abspath(tf.__file__)),
-                os.path.dirname(os.path.abspath(np.__file__)), *stdlib]  # (_OWN: editable)
-        _PASSED_OVER = tuple(d.rstrip(os.sep) + os.sep for d in dirs)
-    return _PASSED_OVER
 
 
 def _catching_in(frame, errors):
@@ -68,7 +47,7 @@ def _catching_in(frame, errors):
     line = frame.f_lineno
     for node, function in tries:
         body_start, body_end = node.body[0].lineno, node.body[-1].end_lineno
-        if not body_start <= line <= body_end or not _same_scope(function, frame.f_code):
+        if not body_start <= line <= body_end or not frames.same_scope(function, frame.f_code):
             continue
         for handler in node.handlers:
             if _reraises(handler):
@@ -83,10 +62,8 @@ def _tries(filename):
     line), with the function it is written in (None: the module's level); None where
     ``filename`` has no Python source."""
     if filename not in _TRIES:
-        found = []
-        try:
-            tree = ast.parse("".join(linecache.getlines(filename)) or "\0")
-        except (SyntaxError, ValueError):
+        found, tree = [], frames.tree(filename)
+        if tree is None:
             _TRIES[filename] = None
             return None
 
@@ -130,16 +107,6 @@ def _catching_in_bytecode(frame):
     return None
 
 
-def _same_scope(function, code):
-    """Whether a ``try`` in ``function`` (None: the module's level) is in ``code``."""
-    if function is None:
-        return code.co_name == "<module>"
-    if isinstance(function, ast.Lambda):
-        return code.co_name == "<lambda>" and code.co_firstlineno == function.lineno
-    first = min([function.lineno] + [d.lineno for d in function.decorator_list])
-    return code.co_name == function.name and code.co_firstlineno == first
-
-
 def _reraises(handler):
     last = handler.body[-1]
     return isinstance(last, ast.Raise) and last.exc is None
@@ -148,31 +115,9 @@ def _reraises(handler):
 def _matches(expression, frame, errors):
     """Whether the ``except`` clause's type matches one of ``errors`` (an expression not
     evaluated here is taken to match)."""
-    caught = _evaluate(expression, frame)
-    if caught is _UNKNOWN:
+    caught = frames.evaluate(expression, frame)
+    if caught is frames.UNKNOWN:
         return True
     caught = caught if isinstance(caught, tuple) else (caught,)
-    return any(c is _UNKNOWN or isinstance(c, type) and issubclass(e, c)
+    return any(c is frames.UNKNOWN or isinstance(c, type) and issubclass(e, c)
                for c in caught for e in errors)
-
-
-_UNKNOWN = object()
-
-
-def _evaluate(node, frame):
-    """A name, an attribute of one, or a tuple of those, in ``frame`` (nothing called),
-    or _UNKNOWN."""
-    if isinstance(node, ast.Name):
-        for scope in (frame.f_locals, frame.f_globals, frame.f_builtins):
-            if node.id in scope:
-                return scope[node.id]
-        return _UNKNOWN
-    if isinstance(node, ast.Attribute):
-        owner = _evaluate(node.value, frame)
-        try:
-            return _UNKNOWN if owner is _UNKNOWN else getattr(owner, node.attr)
-        except Exception:  # noqa: BLE001 (a lazy module's failed import, a property)
-            return _UNKNOWN
-    if isinstance(node, ast.Tuple):
-        return tuple(_evaluate(element, frame) for element in node.elts)
-    return _UNKNOWN

@@ -61,6 +61,7 @@ from multistep.compiler.placement import PLACEHOLDERS
 from multistep.compiler.runs import InputExhaustedError, StepFailedError
 from multistep.loops import caught as caught_lib
 from multistep.loops import lazy as lazy_lib
+from multistep.loops import payback
 
 __all__ = ["DeferredSession", "FusionReport", "deferred"]
 
@@ -148,10 +149,12 @@ class _Kind:
     direct: str = None  # why its steps run as written, one at a time (None: deferred)
     fails: tuple = None  # (an op that can fail, named; the errors such ops raise) or None
     types: list = None  # the type Session.run returns for each fetch (None: not known)
+    tensors: list = None  # the indices of the fetches that are not ops (they have values)
     read_at_once: int = 0  # its runs in a row of one step, each ended by a read of it
     held: list = dataclasses.field(default_factory=list)
     last_feed: list = None  # the feed of the last step of this kind
     hits: tuple = None  # (programs watched, the original ops they copy that it runs)
+    timing: payback.Timing = dataclasses.field(default_factory=payback.Timing)
 
 
 @dataclasses.dataclass(eq=False)
@@ -166,11 +169,12 @@ class _Pending:
 class _Engine:
     """The deferral of one raw session."""
 
-    def __init__(self, session, steps, mode, xla, report_on_close=False):
+    def __init__(self, session, steps, mode, xla, report_on_close=False,
+                 fuse="when_it_pays"):
         # The session weakly: a session the loop drops is collected (and closed) as it
         # would be as written; while steps are pending, _Pending holds it.
         self._session = weakref.ref(session)
-        self.steps, self.mode, self.xla = steps, mode, xla
+        self.steps, self.mode, self.xla, self.fuse = steps, mode, xla, fuse
         _ALL.append(self)
         self.report_on_close = report_on_close
         self.lock = threading.RLock()
@@ -186,8 +190,10 @@ class _Engine:
         self.direct = collections.Counter()
         self.causes = collections.Counter()
         self.closed = False
+        self.failed = None  # (a step's error raised at a read, the read's site): see force
         self.auto = False  # made by multistep run (a script's own ms.deferred replaces it)
         self.build_seconds, self.unrun = 0.0, set()  # (unrun: ids of programs not run yet)
+        self.run_seconds = 0.0  # in flushes (builds, compiled runs): not a deferral's own
 
     @property
     def session(self):
@@ -202,31 +208,69 @@ class _Engine:
                 or self.closed)
 
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        if self.failed is not None:
+            self._raise_again()
         with self.lock:
             self.calls += 1
-            site = _site()
             kind, order = self._kind(fetches, feed_dict)
-            direct = kind.direct
-            if kind.step and direct is None and kind.fails:
-                where = caught_lib.catching(kind.fails[1])
-                if where is not None:  # (deferred, the loop would go past the failing step)
-                    direct = (f"the step can fail ({kind.fails[0]}) and the loop catches "
-                              f"its error (the try at {where}): it must stop at the step "
-                              f"that fails, as written")
-            if kind.step and direct is None and not _meaningful(options):
-                return self._defer(kind, self._copied_feed(kind, feed_dict, order), site,
-                                   fetches)
-            if kind.step and direct is not None:  # a step that must run as written
-                self.flush(f"a step run as written at {site}")
-                self.direct[f"{direct} (the run at {site})"] += 1
+            waiting = (kind.step and kind.direct is None and self.fuse == "when_it_pays"
+                       and not kind.timing.fusing and not kind.fails
+                       and not _meaningful(options)
+                       and not self._pays(kind))  # (the common case first: nothing else read)
+            if waiting:
+                self._as_written(kind)
             else:
-                what = "a run with RunOptions" if kind.step else "another run"
-                self._before_barrier(kind, f"{what} at {site}")
+                site = _Site()  # (formatted where it is said)
+                direct = kind.direct
+                if kind.step and direct is None and kind.fails:
+                    where = caught_lib.catching(kind.fails[1])
+                    if where is not None:  # (deferred, the loop would go past the failing step)
+                        direct = (f"the step can fail ({kind.fails[0]}) and the loop catches "
+                                  f"its error (the try at {where}): it must stop at the step "
+                                  f"that fails, as written")
+                if kind.step and direct is None and not _meaningful(options):
+                    if self.fuse == "at_once" or self._pays(kind):
+                        return self._timed_defer(kind, feed_dict, order, site, fetches)
+                    waiting = True  # (a step that can fail, its error not caught)
+                    self._as_written(kind)
+                elif kind.step and direct is not None:  # a step that must run as written
+                    self.flush(f"a step run as written at {site}")
+                    self.direct[f"{direct} (the run at {site})"] += 1
+                else:
+                    what = "a run with RunOptions" if kind.step else "another run"
+                    self._before_barrier(kind, f"{what} at {site}")
             if kind.remapped:
                 fetches = _pack(fetches, iter(kind.flat))
         # (no lock held across it: a run another thread's run must let finish, such as a
         # dequeue from a queue that thread fills, cannot wait on this one)
-        return self._raw(fetches, _forced(feed_dict), options, run_metadata)
+        if not waiting:
+            return self._raw(fetches, _forced(feed_dict), options, run_metadata)
+        start = time.perf_counter()
+        values = self._raw(fetches, _forced(feed_dict), None, run_metadata)
+        kind.timing.written(time.perf_counter() - start)
+        return values
+
+    def _as_written(self, kind):
+        """Before a step run as written, timed, while its program would not pay back. Its
+        report line names the first run call of its program made so (one site a
+        program: a frame walk saved a step)."""
+        timing = kind.timing
+        if timing.site is None:
+            timing.site = _site()
+            timing.line = f"{_NOT_PAID_YET} (the run at {timing.site})"
+        if self.pending is not None:
+            self.flush(f"a step run as written at {timing.site}")
+        self.direct[timing.line] += 1
+
+    def _raise_again(self):
+        (error, read), self.failed = self.failed, None  # (once: it stops the loop there)
+        raise type(error)(
+            error.node_def, error.op,
+            f"{error.message}\nmultistep.deferred: raised again at this run call: the "
+            f"loop went on after this error was raised at a read of a value at {read}, "
+            f"which did not stop it (caught or swallowed there: logging's formatting "
+            f"swallows errors); as written the loop stops at the failing step's run "
+            f"call.") from error
 
     def flush(self, cause=None):
         """Runs the pending steps (one compiled run); ``cause`` says why it is short."""
@@ -244,16 +288,28 @@ class _Engine:
                                    f"(at {cause.rpartition(' at ')[2]}): it runs as written")
             else:
                 kind.read_at_once = 0
+            start = time.perf_counter()
             try:
                 self._run_pending(pending)
             finally:
+                self.run_seconds += time.perf_counter() - start
                 for record in pending.records:
                     if record.done:
                         record.resolved()
 
     def force(self, record):
-        """A read of a pending value: runs the steps pending up to it."""
-        self.flush(f"a read of a value at {_site()}")
+        """A read of a pending value: runs the steps pending up to it. Where a step fails,
+        its error is raised here, at the read, and again at the next run call: a read
+        can be where the loop's code swallows errors (``logging``'s formatting, an
+        ``except`` around a ``print``), but as written the error was raised at the failing
+        step's run call, which no ``try`` of the loop's catches (``caught``: else it
+        runs as written), so the loop as written stops there."""
+        site = _site()
+        try:
+            self.flush(f"a read of a value at {site}")
+        except tf.errors.OpError as error:
+            self.failed = (error, site)
+            raise
         if not record.done:  # (flushed by an earlier error: resolved as failed)
             raise RuntimeError("multistep.deferred: a value of a step that never ran.")
 
@@ -270,6 +326,26 @@ class _Engine:
                             self.causes, self.stats_barriers, self.build_seconds)
 
     # -- one call ----------------------------------------------------------------------
+
+    def _pays(self, kind):
+        """Whether ``kind``'s steps are fused (``fuse="when_it_pays"``): once its
+        program's build pays back (``payback``), for good."""
+        timing = kind.timing
+        if not timing.fusing and timing.written_runs >= timing.next_decision:
+            timing.fusing = payback.worth_building(
+                timing, payback.build_estimate(len(kind.reached)), payback.steps_left)
+        return timing.fusing
+
+    def _timed_defer(self, kind, feed_dict, order, site, fetches):
+        """``_defer``, its own time (not the compiled runs' it makes) kept in the
+        kind's timing."""
+        ran, start = self.run_seconds, time.perf_counter()
+        try:
+            return self._defer(kind, self._copied_feed(kind, feed_dict, order), site,
+                               fetches)
+        finally:
+            kind.timing.fused_seconds += (time.perf_counter() - start
+                                          - (self.run_seconds - ran))
 
     def _before_barrier(self, kind, cause):
         """A run that is not deferred: the pending steps first, and the warning where it
@@ -353,8 +429,9 @@ class _Engine:
 
     def _defer(self, kind, feed, site, fetches):
         # links: fed key's index -> the fetch of the step before whose value it is fed
+        lazy = lazy_lib.Lazy
         links = {i: self._carried_from(kind, v) for i, v in enumerate(feed)
-                 if isinstance(v, lazy_lib.Lazy)}
+                 if type(v) is lazy} if kind.keys else {}
         pending = self.pending
         if pending is not None and pending.kind is not kind:
             self.flush(f"a step run of another program at {site}")
@@ -374,10 +451,11 @@ class _Engine:
         record = _Record(self, feed, site, self.calls)
         pending.records.append(record)
         kind.last_feed = feed  # (a step's feed of each program: tests compare its kernels)
-        values = [None if isinstance(f, tf.Operation) else
-                  lazy_lib.Lazy(fetch=(record, j), type_=kind.types[j])
-                  for j, f in enumerate(kind.flat)]
-        record.lazies = [(j, v) for j, v in enumerate(values) if v is not None]
+        values = [None] * len(kind.flat)
+        lazies = record.lazies = []
+        for j in kind.tensors:  # (a fetched op's value is None)
+            values[j] = value = lazy(fetch=(record, j), type_=kind.types[j])
+            lazies.append((j, value))
         if len(pending.records) == self.steps:
             self.flush()
         return _pack(fetches, iter(values))
@@ -417,6 +495,7 @@ class _Engine:
 
     def _run_pending(self, pending):
         kind, records, links = pending.kind, pending.records, pending.links
+        built = self.build_seconds
         computed = [i for i in kind.computed if i not in links]
         if computed and len(records) == 1:  # one step: a program that carries them takes it
             links = next((dict(key[1]) for key in self.programs
@@ -453,8 +532,10 @@ class _Engine:
         self.local.depth = getattr(self.local, "depth", 0) + 1
         first, start = id(program) in self.unrun, time.perf_counter()
         self.unrun.discard(id(program))
+        failed = True
         try:
             values = program.run(self.session, feeds=feeds)
+            failed = False
         except (InputExhaustedError, StepFailedError) as error:
             self._failed(kind, records, error, error.values, self._done(program, error))
         except tf.errors.OpError as error:
@@ -464,10 +545,27 @@ class _Engine:
             self.stats_steps += len(records)
             self._settle(records, kind, values, len(records))
         finally:
+            elapsed = time.perf_counter() - start
             if first:
-                self.build_seconds += time.perf_counter() - start
+                self.build_seconds += elapsed
+                payback.built(self.build_seconds - built, len(kind.reached))
+                kind.timing.fused_seconds = 0.0  # (its steps' deferral: timed from here)
+            elif not failed:
+                self._compare(kind, elapsed, len(records))
             self.local.depth -= 1
             lazy_lib.settle_waiting()
+
+    def _compare(self, kind, seconds, steps):
+        """A compiled run of ``kind`` took ``seconds`` for ``steps``: where its fused
+        steps prove no faster than its steps as written, they run as written from now on."""
+        timing = kind.timing
+        timing.fused_seconds += seconds
+        timing.fused_steps += steps
+        if self.fuse == "when_it_pays" and kind.direct is None and timing.fused_is_slower():
+            kind.direct = (f"fusing it did not pay: a fused step took "
+                           f"{timing.fused_seconds / timing.fused_steps * 1e6:.0f} µs, a "
+                           f"step as written {timing.written_step * 1e6:.0f} µs: it runs as "
+                           f"written")
 
     def _settle(self, records, kind, values, count):
         """Resolves the first ``count`` of ``records`` from a run's values (``count``
@@ -524,6 +622,10 @@ class _Engine:
         raise raised from error
 
 
+_NOT_PAID_YET = ("run as written while its program's build would not pay back yet "
+                 "(fuse='when_it_pays': multistep.loops.payback)")
+
+
 def _step_value(stacked, i):
     """Step ``i``'s value of a fetch, as ``Session.run`` returns it for that step."""
     if isinstance(stacked, list):  # (a fetch whose shape differed between the steps)
@@ -555,6 +657,7 @@ def _classify(graph, fetches, feed_dict):
     kind.direct = _as_written(reached) if step else None
     kind.fails = _fails(reached) if step else None
     kind.types = [_returned_type(f) for f in flat]
+    kind.tensors = [j for j, f in enumerate(flat) if not isinstance(f, tf.Operation)]
     return kind
 
 
@@ -634,12 +737,21 @@ def _is_placeholder(key):
                                                                 "PlaceholderWithDefault")
 
 
+_LEAVES = set()  # types seen as leaves of a fetch structure (a tensor's, an op's)
+
+
 def _structure_key(fetches, leaf=id):
     """A key of the fetches' structure and leaves (by ``leaf``: their ids, or names)."""
+    kind = type(fetches)
+    if kind is list and all(type(v) in _LEAVES for v in fetches):  # (the common case)
+        return (list, *map(leaf, fetches))
+    if kind in _LEAVES:
+        return leaf(fetches)
     if isinstance(fetches, dict):
         return type(fetches), tuple((k, _structure_key(v, leaf)) for k, v in fetches.items())
     if isinstance(fetches, (list, tuple)):
         return (type(fetches),) + tuple(_structure_key(v, leaf) for v in fetches)
+    _LEAVES.add(kind)
     return leaf(fetches)
 
 
@@ -681,9 +793,11 @@ def _pack(fetches, leaves):
 
 
 def _forced(feed_dict):
-    if not feed_dict:
+    """``feed_dict`` with each lazy value forced (its steps run)."""
+    lazy = lazy_lib.Lazy  # (a type check: isinstance of a Lazy answers as its value's)
+    if not feed_dict or not any(type(v) is lazy for v in feed_dict.values()):
         return feed_dict
-    return {k: v._force() if isinstance(v, lazy_lib.Lazy) else v  # noqa: SLF001
+    return {k: v._force() if type(v) is lazy else v  # noqa: SLF001
             for k, v in feed_dict.items()}
 
 
@@ -694,20 +808,35 @@ def _meaningful(options):
 def _site():
     """``file:line`` of the user's line that led here: the first frame outside multistep,
     TensorFlow and numpy; where the call came through TensorFlow (a hook), that frame too."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
-        frame = frame.f_back
-    via = None
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS
-                                                                    + (_OWN_DIR,)):
-        if via is None and frame.f_code.co_filename.startswith(_TF_DIR):  # (a hook's)
-            via = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} " \
-                  f"in {frame.f_code.co_name}"
-        frame = frame.f_back
-    if frame is None:
-        return via or "?"
-    here = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return f"{here} (via {via})" if via else here
+    return str(_Site())
+
+
+class _Site:
+    """Where the user's line that led here is (``_site``), said when it is formatted: a
+    deferred step's own is rarely said, and the frame walk is the cheaper half."""
+
+    __slots__ = ("here", "via")
+
+    def __init__(self):
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+            frame = frame.f_back
+        via = None
+        while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS
+                                                                        + (_OWN_DIR,)):
+            if via is None and frame.f_code.co_filename.startswith(_TF_DIR):  # (a hook's)
+                via = (frame.f_code, frame.f_lineno)
+            frame = frame.f_back
+        self.here = None if frame is None else (frame.f_code, frame.f_lineno)
+        self.via = via
+
+    def __str__(self):
+        via = self.via and (f"{os.path.basename(self.via[0].co_filename)}:{self.via[1]} "
+                            f"in {self.via[0].co_name}")
+        if self.here is None:
+            return via or "?"
+        here = f"{os.path.basename(self.here[0].co_filename)}:{self.here[1]}"
+        return f"{here} (via {via})" if via else here
 
 
 # -- the session ---------------------------------------------------------------------------
@@ -805,7 +934,11 @@ class DeferredSession(session_lib.SessionInterface):
         return getattr(self._wrapped, name)
 
 
-def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
+FUSE = ("when_it_pays", "at_once")
+
+
+def deferred(session, steps, *, mode="while_loop", xla=False, report=False,
+             fuse="when_it_pays"):
     """``session`` with its training steps run ``steps`` at a time, bitwise as the loop
     as written runs them one a call.
 
@@ -819,6 +952,10 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
       xla: compile the steps with XLA (bitwise with the step compiled alone by XLA, not
         with the plain step: see ``ms.compile``).
       report: print the report's first line (steps, compiled runs) to stderr on close.
+      fuse: ``"when_it_pays"`` (a program's steps run as written, timed, until its
+        build would pay back in the steps left, and again if its fused steps prove no
+        faster: ``multistep.loops.payback``) or ``"at_once"`` (fused from the first
+        step, whatever the loop's length).
 
     Returns:
       A ``DeferredSession``: use it where the loop used ``session``.
@@ -832,7 +969,7 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
       ...     loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
       ...     train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
       ...     init = tf.compat.v1.global_variables_initializer()
-      >>> sess = ms.deferred(tf.compat.v1.Session(graph=graph), steps=4)
+      >>> sess = ms.deferred(tf.compat.v1.Session(graph=graph), steps=4, fuse="at_once")
       >>> _ = sess.run(init)
       >>> total = 0.0
       >>> for i in range(8):
@@ -851,6 +988,9 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
         raise ValueError(f"ms.deferred: steps must be a positive int, got {steps!r}.")
     if mode not in ("while_loop", "unrolled"):
         raise ValueError(f"ms.deferred: mode must be 'while_loop' or 'unrolled', got {mode!r}.")
+    if fuse not in FUSE:
+        raise ValueError(f"ms.deferred: fuse must be 'when_it_pays' or 'at_once', got "
+                         f"{fuse!r}.")
     if not isinstance(xla, bool) or not isinstance(report, bool):
         raise TypeError(f"ms.deferred: xla and report must be True or False, got "
                         f"{xla!r} and {report!r}.")
@@ -872,7 +1012,7 @@ def deferred(session, steps, *, mode="while_loop", xla=False, report=False):
               f"{_site()}): its own steps={steps} are used.", file=sys.stderr)
     _install()
     streams_lib.streams_of(raw.graph)  # (its random ops: one stream each, where no run holds them)
-    engine = _ENGINES[raw] = _Engine(raw, int(steps), mode, xla, report)
+    engine = _ENGINES[raw] = _Engine(raw, int(steps), mode, xla, report, fuse)
     return DeferredSession(session, engine)
 
 
@@ -888,11 +1028,11 @@ def _raw_session(session):
     return None
 
 
-def defer_every_session(steps, *, mode="while_loop", xla=False):
+def defer_every_session(steps, *, mode="while_loop", xla=False, fuse="when_it_pays"):
     """``multistep run``: every ``tf.compat.v1.Session`` made from now on is deferred."""
     _install()
     _session_hook.every_graph(streams_lib.streams_of)  # (each graph's random ops: one stream)
-    _AUTO.update(steps=steps, mode=mode, xla=xla)
+    _AUTO.update(steps=steps, mode=mode, xla=xla, fuse=fuse)
 
 
 def reports():
@@ -914,7 +1054,7 @@ def _engine_of(session):
     engine = _ENGINES.get(session)
     if engine is None and _AUTO and not getattr(session, "_closed", False):
         engine = _ENGINES[session] = _Engine(session, _AUTO["steps"], _AUTO["mode"],
-                                             _AUTO["xla"])
+                                             _AUTO["xla"], fuse=_AUTO["fuse"])
         engine.auto = True
         # the script's loop is the main thread's, whichever thread ran the session first
         # (a Supervisor's or a queue runner's)

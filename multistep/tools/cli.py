@@ -51,6 +51,10 @@ def main(argv=None):
 # script unless given. (FILE.py:FN, which takes no arguments, may have its options after
 # it, as before.)
 SCRIPT_COMMANDS = ("run", "verify", "bench")
+FUSE = ("when_it_pays", "at_once")  # (ms.deferred's fuse)
+FUSE_HELP = ("when_it_pays (default: a program's steps run as written until its build "
+             "would pay back in the steps left, and again if fused steps prove no faster) "
+             "or at_once (fused from the first step)")
 DEFAULT_SCRIPT_STEPS = 10
 BENCH_STEPS = (1, 10, 100, 1000)  # bench's N without a script
 
@@ -247,6 +251,7 @@ def _parser():
                      help="while_loop (default: runs of fewer steps share one program) or "
                           "unrolled")
     run.add_argument("--xla", action="store_true", help="compile the steps with XLA")
+    run.add_argument("--fuse", choices=FUSE, default="when_it_pays", help=FUSE_HELP)
     run.add_argument("--quiet", action="store_true", help="no fusion report at the end")
     run.add_argument("script", metavar="SCRIPT.py", type=_script,
                      help="the script, run as python SCRIPT.py ARGS would run it")
@@ -277,6 +282,10 @@ def _parser():
                         help="compile every ms.unroll with XLA and compare the fused program "
                              "with the single-step XLA program (bitwise), reporting the "
                              "distance to plain single steps as information")
+    verify.add_argument("--fuse", choices=FUSE, default="at_once",
+                        help="with SCRIPT.py: when its steps are fused (default at_once: "
+                             "verify checks the fused programs from the first step, even "
+                             "where multistep run would run a short script as written)")
     verify.set_defaults(func=_verify)
 
     graph = sub.add_parser(
@@ -313,6 +322,8 @@ def _parser():
                        metavar="METHOD",
                        help="the methods timed (default: all): " + ", ".join(BENCH_METHODS))
     bench.add_argument("--repeats", type=_positive, default=7, help="timed repeats (default 7)")
+    bench.add_argument("--fuse", choices=FUSE, default="when_it_pays",
+                       help="with SCRIPT.py, as multistep run takes it: " + FUSE_HELP)
     bench.add_argument("--cpu", type=int, default=None,
                        help="pin this process to this core (default: the first core this "
                             "process may use, as taskset allowed it); -1 leaves it unpinned")
@@ -525,7 +536,7 @@ def _run(args):
     from multistep.tools import script
 
     return script.run_script(args.script, args.args, steps=args.steps, mode=args.mode,
-                             xla=args.xla, report=not args.quiet)
+                             xla=args.xla, report=not args.quiet, fuse=args.fuse)
 
 
 def _script_runs(args, record_dir, deferred, script=None):
@@ -533,7 +544,7 @@ def _script_runs(args, record_dir, deferred, script=None):
     command = [sys.executable, "-m", "multistep.tools.script", "--record",
                os.path.join(record_dir, "record.pkl")]
     if deferred:
-        command += ["--steps", str(args.steps), "--report"]
+        command += ["--steps", str(args.steps), "--report", "--fuse", args.fuse]
     return command + [script or args.script.partition(":")[0]] + list(getattr(args, "args", []))
 
 

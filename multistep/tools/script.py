@@ -1,7 +1,8 @@
 """A user's training script as written, and under ``multistep run`` (every session it makes
 deferred): run it, record what it did, compare, time.
 
-``python -m multistep.tools.script [--steps N] [--xla] [--record FILE] script.py args...``
+``python -m multistep.tools.script [--steps N] [--xla] [--fuse F] [--record FILE] script.py
+args...``
 runs the script as ``python script.py args...`` would (its ``sys.argv``, ``__name__ ==
 "__main__"``, its folder first on ``sys.path``, its exit code). With ``--record`` it
 writes, at the end, every value each ``Session.run`` call returned (in call order) and
@@ -23,7 +24,7 @@ __all__ = ["compare", "main", "run_script"]
 
 
 def run_script(path, args=(), *, steps=None, mode="while_loop", xla=False, record=None,
-               report=False):
+               report=False, fuse="when_it_pays"):
     """Runs ``path`` as a script; returns its exit code. ``steps``: defer every session
     it makes (``multistep run``). ``record``: write what it did to this file.
 
@@ -37,7 +38,8 @@ def run_script(path, args=(), *, steps=None, mode="while_loop", xla=False, recor
 
     recorder = []
     if steps is not None:
-        _session_hook.after_import("tensorflow", lambda: _defer_every_session(steps, mode, xla))
+        _session_hook.after_import("tensorflow", lambda: _defer_every_session(steps, mode, xla,
+                                                                                 fuse))
     if record:
         _session_hook.after_import("tensorflow", lambda: recorder.append(_Recorder()))
     sys.argv = [path] + list(args)
@@ -73,10 +75,10 @@ def run_script(path, args=(), *, steps=None, mode="while_loop", xla=False, recor
     return code
 
 
-def _defer_every_session(steps, mode, xla):
+def _defer_every_session(steps, mode, xla, fuse):
     from multistep.loops import deferred
 
-    deferred.defer_every_session(steps, mode=mode, xla=xla)
+    deferred.defer_every_session(steps, mode=mode, xla=xla, fuse=fuse)
 
 
 class _Recorder:
@@ -202,13 +204,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int)
     parser.add_argument("--mode", default="while_loop")
     parser.add_argument("--xla", action="store_true")
+    parser.add_argument("--fuse", default="when_it_pays")
     parser.add_argument("--record")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     return run_script(args.script, args.args, steps=args.steps, mode=args.mode, xla=args.xla,
-                      record=args.record, report=args.report)
+                      fuse=args.fuse, record=args.record, report=args.report)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
 train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
 sess = tf.compat.v1.Session()
 sess.run(tf.compat.v1.global_variables_initializer())
-sess = ms.deferred(sess, steps=3)
+sess = ms.deferred(sess, steps=3, fuse="at_once")
 losses = [sess.run([train, loss], {x: np.random.rand(4, 2)})[1] for _ in range(6)]
 print("losses", [float(v) for v in losses])
 print("report", sess.report().runs)
