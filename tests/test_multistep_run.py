@@ -184,6 +184,12 @@ def test_multistep_verify_compares_output_and_files_in_a_working_copy_of_its_own
                                      "as written, 'the last loss is Lazy'") in line.stdout
     file = _verify_in(tmp_path, "--steps", 4, script, "file")
     assert file.returncode == 1 and "the file kind.json it wrote differs" in file.stdout
+    # the same line on standard error, among TensorFlow's log lines and multistep's own
+    # report and warnings (left out by the rule): on the previous main, OK
+    error = _verify_in(tmp_path, "--steps", 4, script, "error")
+    assert error.returncode == 1 and ("of its standard error differs: 'the last loss is "
+                                      "float32' as written, 'the last loss is Lazy' under "
+                                      "multistep run") in error.stdout, error.stdout
 
 
 def test_the_pending_steps_run_before_os_exit(tmp_path):
@@ -196,3 +202,27 @@ def test_the_pending_steps_run_before_os_exit(tmp_path):
                        tmp_path / "fused")
     assert written.returncode == 0 and fused.returncode == 0, fused.stderr[-2000:]
     assert (tmp_path / "written").read_text() == (tmp_path / "fused").read_text() == "3"
+
+
+def test_the_rule_leaves_out_tensorflows_log_lines_and_multisteps_own_from_stderr():
+    from multistep.tools import observed
+
+    stderr = "\n".join([
+        "I0000 00:00:1796694045.018322   25933 cudart_stub.cc:31] Could not find cuda drivers",
+        "WARNING:tensorflow:the script's own warning",
+        "/w/train.py:26: RuntimeWarning: deferred_1: 'global_step' is fetched beside the "
+        "step's write of it",
+        "  _, step = sess.run([train, global_step])",
+        "/w/train.py:40: UserWarning: the script's own",
+        "  warnings.warn(\"the script's own\")",
+        "multistep run: the script defers this session itself (ms.deferred at train.py:9)",
+        "Traceback (most recent call last):",
+        "multistep deferred (steps=10): 30 steps in 3 compiled runs (10.0 steps a run)",
+        "  runs short of N steps, by cause:",
+        "         1  a read of a value at train.py:34",
+    ])
+    assert observed.script_errors(stderr) == [
+        "WARNING:tensorflow:the script's own warning",
+        "/w/train.py:40: UserWarning: the script's own",
+        "  warnings.warn(\"the script's own\")",
+        "Traceback (most recent call last):"]

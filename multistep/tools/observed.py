@@ -5,8 +5,10 @@ copy of the working directory of its own (its largest top-level entries linked, 
 copied, past COPY_LIMIT: see Plan), fed the same standard input, and compares these with
 ``differences``.
 
-The rule for what may differ (documented on the command line page): a line of output is
-compared after masking what no run repeats (hexadecimal addresses, temporary names
+The rule for what may differ (documented on the command line page): a line of output
+(standard output, and standard error without TensorFlow's native log lines and
+multistep's own report, lines and warnings: ``script_errors``) is compared after masking
+what no run repeats (hexadecimal addresses, temporary names
 ``tmpXXXXXXXX``, durations with a unit); beyond that, a line or a file that differs
 between the two runs as written is the script's own variation and is not compared (it is
 named). Checkpoints are compared by their tensors, TensorBoard event files by their
@@ -21,8 +23,8 @@ import os
 import re
 import shutil
 
-__all__ = ["COPY_LIMIT", "Plan", "differences", "files_written", "plan", "snapshot",
-           "working_copy"]
+__all__ = ["COPY_LIMIT", "Plan", "differences", "files_written", "plan", "script_errors",
+           "snapshot", "working_copy"]
 
 COPY_LIMIT = 256 * 2 ** 20  # the most of a working directory each run copies
 _MASKS = [(re.compile(r"0x[0-9a-fA-F]+"), "0x…"), (re.compile(r"tmp[a-z0-9_]{8}"), "tmp…"),
@@ -170,32 +172,84 @@ def _tensors(prefix):
                  for name in sorted(reader.get_variable_to_shape_map()))
 
 
+def _lines_difference(name, lines, skipped):
+    """The first line of ``name`` (a stream) that differs between the run as written and
+    under multistep run, as a sentence, or None; ``lines``: the three runs' lines (the
+    two as written first). Lines that differ between the runs as written are skipped
+    (said in ``skipped``)."""
+    varying = {i for i, (a, b) in enumerate(zip(lines[0], lines[1])) if a != b}
+    if len(lines[0]) != len(lines[1]):
+        skipped.append(f"{name} (its line count differs between the runs as written)")
+        return None
+    if varying:
+        skipped.append(f"{len(varying)} line(s) of {name} that differ between the runs as "
+                       f"written")
+    if len(lines[2]) != len(lines[0]):
+        verb = "printed" if name == "standard output" else "wrote to standard error"
+        return (f"the script {verb} {len(lines[0])} lines as written and {len(lines[2])} "
+                f"under multistep run (the first that differs: "
+                f"{_first_unlike(lines[0], lines[2])})")
+    for i, (a, b) in enumerate(zip(lines[0], lines[2])):
+        if i not in varying and a != b:
+            return f"line {i + 1} of its {name} differs: {a!r} as written, {b!r} under " \
+                   f"multistep run"
+    return None
+
+
+def _first_unlike(written, fused):
+    for i, (a, b) in enumerate(zip(written, fused)):
+        if a != b:
+            return f"line {i + 1}, {a!r} as written, {b!r} under multistep run"
+    i = min(len(written), len(fused))
+    return (f"line {i + 1}, " + (f"{written[i]!r} as written" if i < len(written)
+                                 else f"{fused[i]!r} under multistep run"))
+
+
 def _masked(line):
     for pattern, mask in _MASKS:
         line = pattern.sub(mask, line)
     return line
 
 
+def script_errors(stderr):
+    """The lines of a run's standard error that the rule compares: TensorFlow's native log
+    lines (time stamps, thread ids: ``I0000 00:00:…``) and its start-up lines left out,
+    and multistep's own: its report (``multistep deferred …`` and the indented lines
+    under it), its ``multistep run: …`` lines, and its warnings (a ``…Warning:`` line
+    whose message starts ``multistep`` or names a compiled program, ``deferred_N:``, and
+    the indented source line under it)."""
+    out, under = [], False
+    for line in stderr.splitlines():
+        if under and line.startswith(" "):
+            continue
+        under = False
+        if _NATIVE_LOG.match(line) or line.startswith("multistep run:"):
+            continue
+        if line.startswith("multistep deferred (steps=") or _OWN_WARNING.match(line):
+            under = True
+            continue
+        out.append(line)
+    return out
+
+
+_NATIVE_LOG = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ |WARNING: All log "
+                         r"messages before absl::InitializeLog\(\)|To enable the following "
+                         r"instructions:)")
+_OWN_WARNING = re.compile(r"^.*:\d+: \w*Warning: (?:multistep|deferred_\d+:)")
+
+
 def differences(first, second, fused):
     """(the first difference between the run as written and under ``multistep run`` that
     the rule compares, as a sentence, or None; what was not compared, as a list).
-    Each argument: {"stdout": str, "files": files_written(...)}."""
+    Each argument: {"stdout": str, "stderr": str, "files": files_written(...)}."""
     skipped = []
-    lines = [[_masked(line) for line in r["stdout"].splitlines()] for r in (first, second, fused)]
-    varying = {i for i, (a, b) in enumerate(zip(lines[0], lines[1])) if a != b}
-    if len(lines[0]) != len(lines[1]):
-        skipped.append("standard output (its line count differs between the runs as written)")
-    else:
-        if varying:
-            skipped.append(f"{len(varying)} line(s) of standard output that differ between "
-                           f"the runs as written")
-        if len(lines[2]) != len(lines[0]):
-            return (f"the script printed {len(lines[0])} lines as written and "
-                    f"{len(lines[2])} under multistep run", skipped)
-        for i, (a, b) in enumerate(zip(lines[0], lines[2])):
-            if i not in varying and a != b:
-                return (f"line {i + 1} of its standard output differs: {a!r} as written, "
-                        f"{b!r} under multistep run", skipped)
+    for stream, name in (("stdout", "standard output"), ("stderr", "standard error")):
+        split = str.splitlines if stream == "stdout" else script_errors
+        lines = [[_masked(line) for line in split(r.get(stream, ""))]
+                 for r in (first, second, fused)]
+        difference = _lines_difference(name, lines, skipped)
+        if difference is not None:
+            return difference, skipped
     files = [r["files"] for r in (first, second, fused)]
     own = sorted(k for k in set(files[0]) | set(files[1]) if files[0].get(k) != files[1].get(k))
     if own:

@@ -5,7 +5,8 @@ checkpoint folder (./ckpt, made by the first run in a fresh folder), saves there
 tempfile.mkdtemp(), and writes its losses to ./losses.json: verify must call it OK (each
 run in a copy of the working directory, fed the same standard input; temporary names
 masked). `python observed.py line` prints the name of a fetched loss's type,
-`python observed.py file` writes it to ./kind.json: both differ deferred (type() of a
+`python observed.py file` writes it to ./kind.json, `python observed.py error` to standard
+error: all differ deferred (type() of a
 lazy value is Lazy, whatever isinstance answers), and verify must say so."""
 import json
 import os
@@ -39,6 +40,8 @@ with tf.compat.v1.Session() as sess:
     kind = type(losses[-1]).__name__  # (what Python cannot be told otherwise: type())
     if mode == "line":
         print("the last loss is", kind)
+    if mode == "error":
+        print("the last loss is", kind, file=sys.stderr)
     if mode == "file":
         with open("kind.json", "w") as f:
             json.dump(kind, f)
