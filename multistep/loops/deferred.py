@@ -208,11 +208,11 @@ class _Engine:
                 or self.closed)
 
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-        if self.failed is not None:
-            self._raise_again()
         with self.lock:
             self.calls += 1
             kind, order = self._kind(fetches, feed_dict)
+            if self.failed is not None and kind.step:
+                self._raise_again()
             waiting = (kind.step and kind.direct is None and self.fuse == "when_it_pays"
                        and not kind.timing.fusing and not kind.fails
                        and not _meaningful(options)
@@ -298,15 +298,19 @@ class _Engine:
                         record.resolved()
 
     def force(self, record):
-        """A read of a pending value: runs the steps pending up to it. Where a step fails,
-        its error is raised here, at the read, and again at the next run call: a read
-        can be where the loop's code swallows errors (``logging``'s formatting, an
-        ``except`` around a ``print``), but as written the error was raised at the failing
-        step's run call, which no ``try`` of the loop's catches (``caught``: else it
-        runs as written), so the loop as written stops there."""
+        """A read of a pending value: runs the steps pending up to it. Where a step fails
+        (a check), its error is raised here, at the read, and again at the next step run
+        call: a read can be where the loop's code swallows errors (``logging``'s
+        formatting, an ``except`` around a ``print``), but as written the error was raised
+        at the failing step's run call, which no ``try`` of the loop's catches
+        (``caught``: else it runs as written), so the loop as written stops there. (The
+        input's end is left to what takes it as written: a ``MonitoredSession`` ends
+        training on it and runs its hooks' ``end``.)"""
         site = _site()
         try:
             self.flush(f"a read of a value at {site}")
+        except tf.errors.OutOfRangeError:
+            raise
         except tf.errors.OpError as error:
             self.failed = (error, site)
             raise
