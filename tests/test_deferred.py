@@ -770,6 +770,10 @@ def test_a_short_loop_runs_as_written_a_long_one_fuses_and_a_slower_fusion_goes_
 
     timed = payback.UNTIMED_RUNS + payback.TIMED_RUNS  # as written before a decision
     monkeypatch.setattr(payback, "build_estimate", lambda ops: 0.0)
+    # (no return to as written here: on a step this small, with another process beside
+    # it, the fused steps did prove slower once, 559 against 420 µs; timings must not
+    # decide a test's counts)
+    monkeypatch.setattr(payback, "COMPARED_STEPS", 10**9)
     sess = ms.deferred(v1.Session(graph=graph), steps=4)
     assert loop(sess, 60)[1:] == want[1:]
     report = sess.report()

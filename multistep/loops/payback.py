@@ -129,7 +129,8 @@ _LOOPS = {}  # (filename, first line of the code, line) -> the loops around it, 
 def steps_left():
     """The iterations left after the current one of the loops around the caller's run
     call, counted over every loop frame, where each is ``for NAME in range(...)`` with
-    arguments that are names or constants; None where any loop around it is another."""
+    arguments that are names, constants or integer arithmetic of those (the loop's
+    variable not rebound); None where any loop around it is another."""
     loops = []
     for frame in frames.loop_frames():
         around = _loops_around(frame)

@@ -598,7 +598,7 @@ def _verify_script(args):
     from multistep.tools import observed, script
 
     print(f"multistep verify {args.script}: as written twice (deterministic?), then under "
-          f"multistep run --steps {args.steps}")
+          f"multistep run --steps {args.steps} --fuse {args.fuse}")
     # each run in a copy of the working directory of its own, fed the same standard input
     # (read once here unless it is a terminal)
     stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
