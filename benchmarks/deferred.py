@@ -2,9 +2,11 @@
 
     taskset -c 0 python benchmarks/deferred.py [--model blobs|mlp] [--steps 100] [--rounds 7]
 
-Three figures (issue: the training loop as written):
+Four figures (issue: the training loop as written):
 - the deferral cost of one step run (feed copies, lazy values, bookkeeping): the time of
   a deferred ``run`` call that does not run anything, for a step of 3 fetches and 3 feeds;
+- what a step run costs while it runs as written, before its program's build pays back
+  (``fuse="when_it_pays"``'s start): multistep's Python over the session's own ``run``;
 - blobs (50 points, dense 2 -> 2 from ones, SGD; a batch fed every call, the loss
   accumulated in Python): the loop as written against the same loop with its session
   deferred (``ms.deferred(sess, steps=N)``), without and with XLA;
@@ -19,6 +21,7 @@ rotated round to round so that a change of load falls on all alike.
 import argparse
 import statistics
 import time
+import timeit
 
 import numpy as np
 import tensorflow as tf
@@ -113,6 +116,35 @@ def deferral_cost(repeats, calls=1000):
     return statistics.median(best)
 
 
+def as_written_cost(repeats, calls=20000):
+    """Seconds of Python a step run costs while it runs as written (``fuse="when_it_pays"``
+    before its build pays back: the default's start), over calling the session's own
+    ``run``: the session's run replaced by a stub that returns at once, so that only
+    multistep's part is timed."""
+    from multistep.loops import deferred as deferred_lib
+    from multistep.loops import payback
+
+    graph, train, loss, init, feeds = blobs_graph()
+    raw = v1.Session(graph=graph)
+    raw.run(init)
+    sess = ms.deferred(raw, steps=10)
+    feed = dict(zip(*feeds))
+    saved = payback.build_estimate, deferred_lib._ORIGINAL["run"]
+    payback.build_estimate = lambda ops: float("inf")  # (it never pays: as written)
+    try:
+        for _ in range(30):
+            sess.run([train, loss], feed)  # (timed and decided: the steady path)
+        deferred_lib._ORIGINAL["run"] = lambda *args: [None, 1.0]
+        own = min(timeit.repeat(lambda: sess.run([train, loss], feed), number=calls,
+                                repeat=repeats))
+        stub = min(timeit.repeat(lambda: deferred_lib._ORIGINAL["run"](raw, [train, loss],
+                                                                       feed),
+                                 number=calls, repeat=repeats))
+    finally:
+        payback.build_estimate, deferred_lib._ORIGINAL["run"] = saved
+    return (own - stub) / calls
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100, help="N (default 100)")
@@ -123,6 +155,8 @@ def main():
     n, total = args.steps, args.steps * args.epochs
     print(f"deferral cost of one step run (3 fetches, 3 feeds): "
           f"{deferral_cost(args.rounds) * 1e6:.1f} us")
+    print(f"a step run as written until its build pays (the default's start), multistep's "
+          f"part: {as_written_cost(args.rounds) * 1e6:.1f} us")
 
     variants = {}
     for name, xla in [("as written", None), ("deferred", False), ("deferred+xla", True),
