@@ -28,7 +28,7 @@ def measure(mode, steps):
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=graph)
     if mode == "deferred":
-        sess = ms.deferred(sess, steps=10)
+        sess = ms.deferred(sess, steps=10, fuse="at_once")  # (the lazy values measured)
     sess.run(init)
     batch = np.ones([4, 3], np.float32)
     for _ in range(20):  # (the program built and run before the count)
